@@ -1,0 +1,201 @@
+// megamoe run: one MoE layer forward + backward on seeded random inputs,
+// timed per phase and checked on a sample against the fp64 path.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cuda/device_query.h"
+#include "megamoe/moe.h"
+#include "megamoe/reference.h"
+#include "testing/sample_check.h"
+
+namespace {
+
+using namespace megamoe;
+
+struct Preset {
+  const char* name;
+  int64_t hidden, intermediate;
+  int experts, top_k;
+  int64_t cpu_tokens;  // default tokens per rank on the CPU backend (< 1 minute)
+};
+
+const Preset kPresets[] = {
+    {"tiny", 256, 128, 8, 2, 512},
+    {"qwen3-30b-a3b", 2048, 768, 128, 8, 64},
+    {"qwen3-235b-a22b", 4096, 1536, 128, 8, 16},
+};
+
+// Relative-error bounds of the sample check, per precision (docs/numerics.md).
+double error_bound(Precision p) {
+  switch (p) {
+    case Precision::kBF16: return 2e-2;
+    case Precision::kFP8Bwd: return 1e-1;
+    case Precision::kFP8: return 1e-1;
+    case Precision::kMXFP8: return 1e-1;
+  }
+  return 0;
+}
+
+int usage(const char* msg) {
+  if (msg) std::fprintf(stderr, "megamoe: %s\n\n", msg);
+  std::fprintf(stderr,
+               "usage: megamoe run [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N]\n"
+               "                   [--precision bf16|fp8|fp8_bwd|mxfp8] [--backend cpu|cuda|auto]\n"
+               "                   [--ep-size P] [--save keep|recompute] [--scale fp32|pow2]\n"
+               "                   [--seed S] [--threads N] [--sample-tokens N]\n"
+               "Runs one MoE layer forward + backward on seeded random inputs (N tokens per rank),\n"
+               "prints time per phase and TFLOPS, and checks a sample against the fp64 path.\n"
+               "Exit status: 0 ok, 1 sample error above its bound, 2 bad usage or failed call.\n");
+  return 2;
+}
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "megamoe: %s\n", st.to_string().c_str());
+  return 2;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int run(int argc, char** argv) {
+  std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"precision", "bf16"}, {"backend", "auto"},
+                                            {"ep-size", "1"},  {"save", "keep"}, {"scale", "fp32"},
+                                            {"seed", "1"},     {"threads", "0"}, {"sample-tokens", "8"},
+                                            {"tokens", ""}};
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") return usage(nullptr);
+    if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) return usage(("unknown option " + a).c_str());
+    if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
+    opt[a.substr(2)] = argv[++i];
+  }
+  const Preset* preset = nullptr;
+  for (const Preset& p : kPresets)
+    if (opt["preset"] == p.name) preset = &p;
+  if (!preset) return usage(("unknown preset '" + opt["preset"] + "'").c_str());
+
+  MoeOptions options;
+  Status st = parse_precision(opt["precision"], &options.precision);
+  if (st.ok()) st = parse_backend(opt["backend"], &options.backend);
+  if (st.ok()) st = parse_save_policy(opt["save"], &options.save_policy);
+  if (st.ok()) st = parse_scale_mode(opt["scale"], &options.fp8_scale_mode);
+  if (!st.ok()) return fail(st);
+  auto to_int = [&](const char* key, int64_t lo, int64_t* out) -> bool {
+    char* end = nullptr;
+    const long long v = std::strtoll(opt[key].c_str(), &end, 10);
+    if (opt[key].empty() || *end != '\0' || v < lo) {
+      std::fprintf(stderr, "megamoe: --%s must be an integer >= %lld, got '%s'\n", key, static_cast<long long>(lo),
+                   opt[key].c_str());
+      return false;
+    }
+    *out = v;
+    return true;
+  };
+  int64_t ep = 1, seed = 1, threads = 0, sample = 8, tokens = 0;
+  if (!to_int("ep-size", 1, &ep) || !to_int("seed", 0, &seed) || !to_int("threads", 0, &threads) ||
+      !to_int("sample-tokens", 1, &sample))
+    return 2;
+  options.cpu_threads = static_cast<int>(threads);
+
+  Backend backend;
+  std::string reason;
+  st = resolve_backend(options, &backend, &reason);
+  if (!st.ok()) return fail(st);
+  if (opt["tokens"].empty()) {
+    tokens = backend == Backend::kCPU ? preset->cpu_tokens : 16384;
+  } else if (!to_int("tokens", 0, &tokens)) {
+    return 2;
+  }
+
+  MoeProblem problem;
+  problem.num_tokens = tokens;
+  problem.hidden = preset->hidden;
+  problem.intermediate = preset->intermediate;
+  problem.num_experts = preset->experts;
+  problem.top_k = preset->top_k;
+  problem.ep_size = static_cast<int>(ep);
+  problem.max_tokens_per_rank = tokens;
+  st = validate_problem(problem);
+  if (!st.ok()) return fail(st);
+
+  std::printf("megamoe run: preset %s (H %lld, I %lld, E %d, k %d), %lld tokens/rank, EP %lld, precision %s, save %s\n",
+              preset->name, static_cast<long long>(problem.hidden), static_cast<long long>(problem.intermediate),
+              problem.num_experts, problem.top_k, static_cast<long long>(tokens), static_cast<long long>(ep),
+              to_string(options.precision), to_string(options.save_policy));
+  std::printf("backend: %s\n", reason.c_str());
+  if (backend == Backend::kCUDA) std::printf("device: %s\n", cuda::device_description(0).c_str());
+
+  std::vector<testing::LayerData> data;
+  std::vector<testing::LayerOutputs> outs;
+  std::vector<MoeInputs> inputs;
+  std::vector<TensorView> ys, dys;
+  std::vector<MoeGrads> grads;
+  for (int r = 0; r < problem.ep_size; ++r) {
+    testing::LayerSpec spec;
+    spec.problem = problem;
+    spec.seed = static_cast<uint64_t>(seed);
+    spec.rank = r;
+    data.push_back(testing::make_layer_data(spec));
+    outs.push_back(testing::make_layer_outputs(problem, tokens, DType::kBF16, DType::kF32, std::nan("")));
+  }
+  for (int r = 0; r < problem.ep_size; ++r) {
+    inputs.push_back(data[r].inputs());
+    ys.push_back(outs[r].y.view);
+    dys.push_back(data[r].dy.view);
+    grads.push_back(outs[r].grads());
+  }
+
+  MoeSaved saved;
+  auto t0 = std::chrono::steady_clock::now();
+  st = problem.ep_size == 1 ? moe_forward(problem, options, inputs[0], ys[0], &saved)
+                            : reference::simulate_forward(problem, options, inputs, ys, &saved);
+  if (!st.ok()) return fail(st);
+  const double fwd_ms = ms_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  st = problem.ep_size == 1 ? moe_backward(problem, options, inputs[0], dys[0], saved, grads[0])
+                            : reference::simulate_backward(problem, options, inputs, dys, saved, grads);
+  if (!st.ok()) return fail(st);
+  const double bwd_ms = ms_since(t0);
+
+  // FLOPs over all simulated ranks (the CPU does all of them).
+  const double fwd_flops = forward_flops(problem) * static_cast<double>(ep);
+  const double bwd_flops = backward_flops(problem, options.save_policy) * static_cast<double>(ep);
+  std::printf("\n%-10s %12s %10s\n", "phase", "time_ms", "TFLOPS");
+  auto row = [](const char* n, double ms, double fl) {
+    std::printf("%-10s %12.2f %10.4f\n", n, ms, ms > 0 ? fl / (ms * 1e9) : 0.0);
+  };
+  row("forward", fwd_ms, fwd_flops);
+  row("backward", bwd_ms, bwd_flops);
+  row("fwd+bwd", fwd_ms + bwd_ms, fwd_flops + bwd_flops);
+
+  testing::SampleErrors err;
+  st = testing::check_sample_against_fp64(problem, data, outs, sample, options.cpu_threads, &err);
+  if (!st.ok()) return fail(st);
+  const double bound = error_bound(options.precision);
+  std::printf("\ncheck vs fp64 path: %lld tokens of rank 0 (y, dx, d_topk_w); local expert %d of rank 0, %lld rows (dW)\n",
+              static_cast<long long>(err.sampled_tokens), err.sampled_expert, static_cast<long long>(err.expert_rows));
+  std::printf("%-16s %12s %10s %6s\n", "output", "rel_err", "bound", "ok");
+  bool all_ok = true;
+  const std::pair<const char*, double> rows[] = {
+      {"y", err.y}, {"dx", err.dx}, {"d_topk_weights", err.d_topk_weights}, {"dw13", err.dw13}, {"dw2", err.dw2}};
+  for (const auto& [name, e] : rows) {
+    const bool ok = e <= bound;  // NaN fails
+    all_ok &= ok;
+    std::printf("%-16s %12.3e %10.1e %6s\n", name, e, bound, ok ? "yes" : "NO");
+  }
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "run") != 0) return usage(argc < 2 ? nullptr : "unknown command");
+  return run(argc, argv);
+}
