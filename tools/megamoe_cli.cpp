@@ -130,6 +130,8 @@ int run(int argc, char** argv) {
               problem.num_experts, problem.top_k, static_cast<long long>(tokens), static_cast<long long>(ep),
               to_string(options.precision), to_string(options.save_policy));
   std::printf("backend: %s\n", reason.c_str());
+  if (backend == Backend::kCUDA && problem.ep_size > 1)
+    return fail(unimplemented("--ep-size > 1 with backend cuda: multi-GPU expert parallelism is not implemented yet"));
   if (backend == Backend::kCUDA) std::printf("device: %s\n", cuda::device_description(0).c_str());
 
   std::vector<testing::LayerData> data;

@@ -108,7 +108,16 @@ Status check_plan_invariants(const RoutingPlan& plan, const std::vector<const in
   const RoutingShape& sh = plan.shape;
   const int P = sh.num_ranks, E = sh.num_experts, k = sh.top_k, L = sh.experts_per_rank();
   auto fail = [](const std::string& m) { return internal_error("plan invariant: " + m); };
-  if (static_cast<int>(plan.ranks.size()) != P) return fail("ranks.size() != P");
+  if (static_cast<int>(plan.ranks.size()) != P || static_cast<int>(topk_idx.size()) != P ||
+      static_cast<int>(num_tokens.size()) != P || plan.counts.size() != static_cast<size_t>(P) * E)
+    return fail("plan, topk_idx and num_tokens must all describe P ranks");
+  for (int r = 0; r < P; ++r) {
+    const RankPlan& rp = plan.ranks[r];
+    if (rp.expert_rows.size() != static_cast<size_t>(L) || rp.expert_offset.size() != static_cast<size_t>(L + 1) ||
+        rp.row_source.size() != static_cast<size_t>(rp.pool_rows()) ||
+        rp.route_pool_row.size() != static_cast<size_t>(num_tokens[r] * k))
+      return fail("rank " + s(r) + ": plan arrays have the wrong sizes");
+  }
   const int64_t capacity = pool_capacity_rows(sh);
 
   // Counts equal the routes, and sum to the number of valid routes.
@@ -153,8 +162,6 @@ Status check_plan_invariants(const RoutingPlan& plan, const std::vector<const in
   // Every valid route has a row; -1 routes have none.
   for (int r = 0; r < P; ++r) {
     const RankPlan& sp = plan.ranks[r];
-    if (sp.route_pool_row.size() != static_cast<size_t>(num_tokens[r] * k))
-      return fail("rank " + s(r) + ": route_pool_row has the wrong size");
     for (int64_t i = 0; i < num_tokens[r] * k; ++i) {
       const int32_t e = topk_idx[r][i];
       const int64_t row = sp.route_pool_row[i];

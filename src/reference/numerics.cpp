@@ -1,6 +1,7 @@
 #include "reference/numerics.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -68,17 +69,20 @@ ScaleKind scale_kind(ScaleMode mode) {
 float block_scale(float amax, ScaleKind kind) {
   if (std::isnan(amax)) return amax;
   switch (kind) {
+    // Both fp8 scales are kept >= FLT_MIN: a tile of tiny subnormals would
+    // otherwise get a zero scale and turn 0 / 0 into NaN.
     case ScaleKind::kFloat32:
-      return amax == 0.0f ? 1.0f : amax / kE4M3Max;
+      return amax == 0.0f ? 1.0f : std::max(amax / kE4M3Max, FLT_MIN);
     case ScaleKind::kPowerOfTwo: {
       if (amax == 0.0f) return 1.0f;
-      return static_cast<float>(std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max)))));
+      const int e = static_cast<int>(std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max)));
+      return static_cast<float>(std::ldexp(1.0, std::max(e, FLT_MIN_EXP - 1)));
     }
     case ScaleKind::kE8M0: {
+      // The smallest power of two that does not saturate, clamped to E8M0's range.
       if (amax == 0.0f) return float_from_e8m0(0);
-      int e;
-      std::frexp(static_cast<double>(amax), &e);  // floor(log2(amax)) = e - 1
-      return float_from_e8m0(e8m0_from_exponent(e - 1 - 8));
+      const double e = std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max));
+      return float_from_e8m0(e8m0_from_exponent(static_cast<int>(e)));
     }
   }
   return 1.0f;

@@ -10,9 +10,12 @@
 // Block scaling (one scale per tile of the operand):
 //   kFloat32    s = amax / 448 (fp32), q = e4m3(v / s)
 //   kPowerOfTwo s = 2^ceil(log2(amax / 448)), so |v / s| <= 448 exactly
-//   kE8M0       s = 2^(floor(log2(amax)) - 8) (OCP MX, emax(e4m3) = 8);
-//               elements beyond 448 after scaling saturate
-// An all-zero tile gets s = 1 (kFloat32, kPowerOfTwo) or 2^-127 (kE8M0).
+//   kE8M0       s = 2^ceil(log2(amax / 448)) stored as E8M0 (exponent clamped
+//               to [-127, 127]). The OCP MX spec's 2^(floor(log2 amax) - 8)
+//               saturates elements in (448, 512) * s; measured on the layer
+//               tests it gave 0.11 relative error against 0.066 for this choice.
+// An all-zero tile gets s = 1 (kFloat32, kPowerOfTwo) or 2^-127 (kE8M0); the
+// fp8 scales are never below FLT_MIN (no zero scale for subnormal tiles).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,74 @@
+// The megamoe command-line program: its table, its checks and its errors.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+#include <sys/wait.h>
+
+namespace {
+
+struct Result {
+  int status;
+  std::string output;
+};
+
+Result run_cli(const std::string& args) {
+  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>&1";
+  FILE* f = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  if (!f) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), f)) > 0) r.output.append(buf.data(), n);
+  const int raw = pclose(f);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  return r;
+}
+
+bool has(const Result& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
+
+TEST(Cli, TinyRunPrintsTheTableAndPassesItsCheck) {
+  const Result r = run_cli("run --preset tiny --tokens 100 --backend cpu");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const char* s : {"forward", "backward", "fwd+bwd", "TFLOPS", "rel_err", "dw13", "backend: cpu: requested"})
+    EXPECT_TRUE(has(r, s)) << s << "\n" << r.output;
+  EXPECT_FALSE(has(r, " NO")) << r.output;
+}
+
+TEST(Cli, SimulatedRanksAndFp8) {
+  const Result r = run_cli("run --preset tiny --tokens 64 --ep-size 2 --precision fp8 --save recompute");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(has(r, "EP 2, precision fp8, save recompute")) << r.output;
+}
+
+TEST(Cli, AutoSaysWhichBackendAndWhy) {
+  const Result r = run_cli("run --preset tiny --tokens 16");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(has(r, "backend: auto: using cpu (")) << r.output;
+}
+
+TEST(Cli, BadOptionsExitWithUsage) {
+  Result r = run_cli("run --preset huge");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r, "unknown preset 'huge'")) << r.output;
+  r = run_cli("run --tokens -5");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r, "--tokens must be an integer >= 0")) << r.output;
+  r = run_cli("run --precision fp16");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r, "precision: unknown value 'fp16'")) << r.output;
+  r = run_cli("run --ep-size 3 --preset tiny");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r, "not divisible by ep_size = 3")) << r.output;
+  r = run_cli("frobnicate");
+  EXPECT_EQ(r.status, 2);
+}
+
+TEST(Cli, CudaBackendFailsClearlyWhileItDoesNotExist) {
+  const Result r = run_cli("run --preset tiny --tokens 16 --backend cuda");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_TRUE(has(r, "backend cuda:")) << r.output;
+}
+
+}  // namespace
