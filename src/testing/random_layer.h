@@ -67,6 +67,17 @@ double relative_error(const HostTensor& a, const HostTensor& b);
 bool bitwise_equal(const HostTensor& a, const HostTensor& b);
 
 uint64_t hash64(uint64_t x);
+
+// A small deterministic generator (splitmix64): results do not depend on the
+// standard library's distributions.
+struct SeededRng {
+  uint64_t state;
+  explicit SeededRng(uint64_t seed) : state(seed) {}
+  uint64_t next() { return hash64(state++ * 0x9E3779B97F4A7C15ull); }
+  double unit() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }          // [0, 1)
+  int below(int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); }  // [0, n)
+  int between(int lo, int hi) { return lo + below(hi - lo + 1); }                    // [lo, hi]
+};
 // Uniform in [-1, 1) from (seed, stream, index).
 double uniform_pm1(uint64_t seed, uint64_t stream, uint64_t index);
 

@@ -4,6 +4,7 @@
 // brute-force nearest-value searches written here, never from the functions
 // under test.
 #include "reference/numerics.h"
+#include "testing/random_layer.h"
 
 #include <gtest/gtest.h>
 
@@ -31,25 +32,12 @@ uint32_t bits_of(float f) {
 // 2^e, exact as a float for e in [-149, 127].
 float p2(int e) { return static_cast<float>(std::ldexp(1.0, e)); }
 
-// A small deterministic generator (splitmix64), so results do not depend on
-// the standard library's distributions.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double unit() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  int below(int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); }
-  // A float with random sign and a magnitude log-uniform in [2^lo, 2^hi).
-  float log_uniform(int lo, int hi) {
-    const double mag = std::exp2(lo + (hi - lo) * unit());
-    return static_cast<float>((next() & 1) ? -mag : mag);
-  }
-};
+using Rng = megamoe::testing::SeededRng;
+// A float with random sign and a magnitude log-uniform in [2^lo, 2^hi).
+float log_uniform(Rng& rng, int lo, int hi) {
+  const double mag = std::exp2(lo + (hi - lo) * rng.unit());
+  return static_cast<float>((rng.next() & 1) ? -mag : mag);
+}
 
 // ---- bf16 -------------------------------------------------------------------
 
@@ -317,7 +305,7 @@ TEST(E4M3, SmallestNormalBoundary) {
 TEST(E4M3, RandomFloatsRoundToNearest) {
   Rng rng(2);
   for (int i = 0; i < 200000; ++i) {
-    const float x = rng.log_uniform(-13, 10);
+    const float x = log_uniform(rng, -13, 10);
     ASSERT_EQ(e4m3_from_float(x), nearest_e4m3(x)) << x;
   }
 }
@@ -366,7 +354,7 @@ TEST(BlockScale, PowerOfTwoIsTight) {
     const float b = 448.0f * p2(e);
     amaxes.insert(amaxes.end(), {b, std::nextafter(b, 0.0f), std::nextafter(b, FLT_MAX)});
   }
-  for (int i = 0; i < 5000; ++i) amaxes.push_back(std::fabs(rng.log_uniform(-100, 120)));
+  for (int i = 0; i < 5000; ++i) amaxes.push_back(std::fabs(log_uniform(rng, -100, 120)));
   for (float amax : amaxes) {
     const double s = block_scale(amax, ScaleKind::kPowerOfTwo);
     int e;
@@ -392,7 +380,7 @@ TEST(BlockScale, E8M0IsTheNonSaturatingPowerOfTwoClamped) {
   EXPECT_EQ(block_scale(448.0f * p2(-128), ScaleKind::kE8M0), p2(-127));
   Rng rng(4);
   for (int i = 0; i < 5000; ++i) {
-    const float amax = std::fabs(rng.log_uniform(-140, 127));
+    const float amax = std::fabs(log_uniform(rng, -140, 127));
     int f = -128;
     while (448.0 * std::ldexp(1.0, f) < amax) ++f;  // smallest non-saturating exponent
     const double expect = std::ldexp(1.0, std::max(f, -127));
@@ -460,7 +448,7 @@ std::vector<double> random_matrix(Rng& rng, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const int lo = static_cast<int>((r * 7 + c / 16 * 3) % 20) - 10;
-      d[r * cols + c] = rng.below(50) == 0 ? 0.0 : static_cast<double>(rng.log_uniform(lo - 6, lo + 2));
+      d[r * cols + c] = rng.below(50) == 0 ? 0.0 : static_cast<double>(log_uniform(rng, lo - 6, lo + 2));
     }
   return d;
 }
@@ -627,7 +615,7 @@ TEST(FakeQuantize, RelativeErrorIsWithinHalfAnE4M3Ulp) {
   Rng rng(8);
   const int64_t rows = 64, cols = 512;
   std::vector<double> in(rows * cols);
-  for (double& v : in) v = static_cast<double>(rng.log_uniform(-14, 6));
+  for (double& v : in) v = static_cast<double>(log_uniform(rng, -14, 6));
   std::vector<double> d = in;
   fake_quantize_e4m3(d.data(), rows, cols, 1, 128, ScaleKind::kFloat32);
   double worst = 0.0;

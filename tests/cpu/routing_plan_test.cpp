@@ -4,6 +4,7 @@
 // and with a hand-worked example, besides check_plan_invariants; the
 // validation tests check the status code and what the message names.
 #include "core/routing_plan.h"
+#include "testing/random_layer.h"
 
 #include <gtest/gtest.h>
 
@@ -15,20 +16,7 @@
 namespace megamoe {
 namespace {
 
-// Deterministic generator (splitmix64), independent of the standard library.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int below(int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); }  // [0, n)
-  int between(int lo, int hi) { return lo + below(hi - lo + 1); }                     // [lo, hi]
-  double unit() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-};
+using Rng = megamoe::testing::SeededRng;
 
 RoutingShape make_shape(int P, int E, int k, int64_t max_tokens) {
   RoutingShape s;
