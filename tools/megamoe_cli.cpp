@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,9 @@
 #include "megamoe/moe.h"
 #include "megamoe/reference.h"
 #include "testing/sample_check.h"
+#ifdef MEGAMOE_WITH_CUDA
+#include "testing/device_layer.h"
+#endif
 
 namespace {
 
@@ -62,6 +66,38 @@ int fail(const Status& st) {
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One GPU: upload, then forward and backward timed as CUDA-event medians
+// (2 warm-up runs, 5 timed; each backward after its own forward), outputs
+// of the last run downloaded for the check.
+Status run_cuda(const MoeProblem& problem, const MoeOptions& options, const testing::LayerData& data,
+                testing::LayerOutputs* out, double* fwd_ms, double* bwd_ms) {
+#ifdef MEGAMOE_WITH_CUDA
+  std::unique_ptr<MoeWorkspace> ws;
+  MEGAMOE_RETURN_IF_ERROR(MoeWorkspace::create(problem, options, 0, &ws));
+  std::printf("workspace: %.1f MiB for max %lld tokens\n", static_cast<double>(ws->size_bytes()) / (1 << 20),
+              static_cast<long long>(ws->max_tokens()));
+  testing::DeviceLayer d;
+  MEGAMOE_RETURN_IF_ERROR(testing::make_device_layer(problem, data, DType::kF32, 0, &d));
+  MEGAMOE_RETURN_IF_ERROR(testing::poison_outputs(d, nullptr));
+  MoeSaved saved;
+  Status st;
+  auto fwd = [&] {
+    if (st.ok()) st = moe_forward(problem, options, d.inputs(), d.y.view(), &saved, ws.get());
+  };
+  auto bwd = [&] {
+    if (st.ok()) st = moe_backward(problem, options, d.inputs(), d.dy.view(), saved, d.grads(), ws.get());
+  };
+  *fwd_ms = testing::median_ms(fwd, 2, 5, nullptr);
+  *bwd_ms = testing::median_ms(bwd, 2, 5, nullptr, fwd);
+  MEGAMOE_RETURN_IF_ERROR(st);
+  MEGAMOE_RETURN_IF_ERROR(ws->check_device_errors(options));
+  return testing::download_outputs(d, out);
+#else
+  (void)problem, (void)options, (void)data, (void)out, (void)fwd_ms, (void)bwd_ms;
+  return unavailable("backend cuda: megamoe was built without CUDA");
+#endif
 }
 
 int run(int argc, char** argv) {
@@ -154,22 +190,30 @@ int run(int argc, char** argv) {
     grads.push_back(outs[r].grads());
   }
 
-  MoeSaved saved;
-  auto t0 = std::chrono::steady_clock::now();
-  st = problem.ep_size == 1 ? moe_forward(problem, options, inputs[0], ys[0], &saved)
-                            : reference::simulate_forward(problem, options, inputs, ys, &saved);
-  if (!st.ok()) return fail(st);
-  const double fwd_ms = ms_since(t0);
-  t0 = std::chrono::steady_clock::now();
-  st = problem.ep_size == 1 ? moe_backward(problem, options, inputs[0], dys[0], saved, grads[0])
-                            : reference::simulate_backward(problem, options, inputs, dys, saved, grads);
-  if (!st.ok()) return fail(st);
-  const double bwd_ms = ms_since(t0);
+  double fwd_ms = 0, bwd_ms = 0;
+  if (backend == Backend::kCUDA) {
+    st = run_cuda(problem, options, data[0], &outs[0], &fwd_ms, &bwd_ms);
+    if (!st.ok()) return fail(st);
+  } else {
+    MoeSaved saved;
+    auto t0 = std::chrono::steady_clock::now();
+    st = problem.ep_size == 1 ? moe_forward(problem, options, inputs[0], ys[0], &saved)
+                              : reference::simulate_forward(problem, options, inputs, ys, &saved);
+    if (!st.ok()) return fail(st);
+    fwd_ms = ms_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    st = problem.ep_size == 1 ? moe_backward(problem, options, inputs[0], dys[0], saved, grads[0])
+                              : reference::simulate_backward(problem, options, inputs, dys, saved, grads);
+    if (!st.ok()) return fail(st);
+    bwd_ms = ms_since(t0);
+  }
 
   // FLOPs over all simulated ranks (the CPU does all of them).
   const double fwd_flops = forward_flops(problem) * static_cast<double>(ep);
   const double bwd_flops = backward_flops(problem, options.save_policy) * static_cast<double>(ep);
-  std::printf("\n%-10s %12s %10s\n", "phase", "time_ms", "TFLOPS");
+  std::printf("\n%s\n", backend == Backend::kCUDA ? "times: CUDA-event medians of 5 runs after 2 warm-ups"
+                                                 : "times: one run, wall clock");
+  std::printf("%-10s %12s %10s\n", "phase", "time_ms", "TFLOPS");
   auto row = [](const char* n, double ms, double fl) {
     std::printf("%-10s %12.2f %10.4f\n", n, ms, ms > 0 ? fl / (ms * 1e9) : 0.0);
   };

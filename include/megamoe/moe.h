@@ -13,7 +13,9 @@
 //                added to with MoeOptions::accumulate_weight_grads) | f64
 #pragma once
 
+#include <cstddef>
 #include <memory>
+#include <string>
 
 #include "megamoe/problem.h"
 #include "megamoe/status.h"
@@ -46,19 +48,49 @@ class MoeSaved {
   std::unique_ptr<Impl> impl_;
 };
 
+// Device memory of the CUDA backend for one layer: sized once from
+// problem.max_tokens_per_rank (the routing plan, the expert-major pools, the
+// combine slots and the saved activations of the last forward) and reused by
+// every call. A backward must follow its forward on the same workspace
+// before the next forward on it (one workspace per layer).
+class MoeWorkspace {
+ public:
+  struct Impl;
+  // Allocates on options' CUDA device `device` (the only allocation).
+  static Status create(const MoeProblem& problem, const MoeOptions& options, int device,
+                       std::unique_ptr<MoeWorkspace>* out);
+  // Bytes create() would allocate for this problem.
+  static size_t bytes_for(const MoeProblem& problem);
+  ~MoeWorkspace();
+  size_t size_bytes() const;
+  int64_t max_tokens() const;
+  // Waits for `options.cuda_stream` and reports routing errors the device found
+  // in the last call (ids out of range, duplicate experts); outputs of such a
+  // call are NaN. The only call here that synchronises.
+  Status check_device_errors(const MoeOptions& options) const;
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  explicit MoeWorkspace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 // Which backend a call with `options.backend` would use on this machine, and
-// why ("auto: no CUDA device found, using cpu").
+// why ("auto: no CUDA device found, using cpu"). For a call, auto follows
+// the tensors: CUDA tensors run on cuda, CPU tensors on cpu.
 Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* reason);
 
 // y = sum_j topk_w[t,j] * w2[e] @ (silu(g) * u), (g, u) = w13[e] @ x[t].
-// `saved` may be null when no backward will follow.
+// `saved` may be null when no backward will follow. Backend cuda needs
+// `workspace` (and bf16 CUDA tensors); the CPU backend ignores it.
 Status moe_forward(const MoeProblem& problem, const MoeOptions& options,
-                   const MoeInputs& inputs, const TensorView& y, MoeSaved* saved);
+                   const MoeInputs& inputs, const TensorView& y, MoeSaved* saved,
+                   MoeWorkspace* workspace = nullptr);
 
 // Gradients of <y, dy> w.r.t. x, topk_weights, w13, w2. `saved` comes from
-// moe_forward on the same inputs and options.
+// moe_forward on the same inputs, options and workspace.
 Status moe_backward(const MoeProblem& problem, const MoeOptions& options,
                     const MoeInputs& inputs, const TensorView& dy, const MoeSaved& saved,
-                    const MoeGrads& grads);
+                    const MoeGrads& grads, MoeWorkspace* workspace = nullptr);
 
 }  // namespace megamoe

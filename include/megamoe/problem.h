@@ -37,6 +37,8 @@ struct MoeOptions {
   // true: dw13/dw2 are fp32 accumulators and the gradients are added to them.
   bool accumulate_weight_grads = false;
   int cpu_threads = 0;  // 0 = hardware concurrency
+  // Backend cuda: the cudaStream_t to run on (nullptr = the legacy default stream).
+  void* cuda_stream = nullptr;
 };
 
 // Checks the shape-level rules (alignment, divisibility, ranges).

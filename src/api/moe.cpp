@@ -1,11 +1,10 @@
-// Public entry points: validation, backend choice, dispatch.
+// Public entry points: backend choice, CPU-side validation, dispatch.
 #include "megamoe/moe.h"
 
 #include <string>
 
+#include "api/backends.h"
 #include "api/saved_state.h"
-#include "core/tensor_check.h"
-#include "cuda/device_query.h"
 #include "megamoe/reference.h"
 
 namespace megamoe {
@@ -19,22 +18,22 @@ void MoeSaved::reset(std::unique_ptr<Impl> impl) { impl_ = std::move(impl); }
 
 namespace {
 
-// The fused CUDA layer does not exist yet (issue #3); until it does, a request
-// for it fails clearly instead of silently running something else.
-constexpr bool kCudaLayerImplemented = false;
+Status mxfp8_on_cuda() {
+  return unimplemented("precision mxfp8 needs Blackwell tensor cores (1x32 E8M0 block scaling); "
+                       "on Hopper only the CPU reference emulates it");
+}
 
-Status cuda_backend_status() {
-  std::string why;
-  if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
-  if (!kCudaLayerImplemented) return unimplemented("backend cuda: the CUDA MoE layer is not implemented yet");
+// Explicit backends are obeyed; auto follows the tensors' device.
+Status choose_backend(const MoeOptions& options, const MoeInputs& inputs, Backend* chosen) {
+  *chosen = options.backend == Backend::kAuto
+                ? (inputs.x.device == DeviceType::kCUDA ? Backend::kCUDA : Backend::kCPU)
+                : options.backend;
+  if (*chosen == Backend::kCUDA && options.precision == Precision::kMXFP8) return mxfp8_on_cuda();
   return Status::Ok();
 }
 
-Status check_call(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs, Backend* chosen) {
+Status check_cpu_call(const MoeProblem& problem, const MoeInputs& inputs) {
   MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
-  std::string reason;
-  MEGAMOE_RETURN_IF_ERROR(resolve_backend(options, chosen, &reason));
-  if (*chosen == Backend::kCUDA) return cuda_backend_status();
   if (inputs.x.device != DeviceType::kCPU)
     return invalid_argument(std::string("x: backend cpu needs cpu tensors, got a ") + to_string(inputs.x.device) +
                             " tensor");
@@ -56,20 +55,22 @@ Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* 
       *reason = "cpu: requested";
       return Status::Ok();
     case Backend::kCUDA:
-      if (options.precision == Precision::kMXFP8)
-        return unimplemented("precision mxfp8 needs Blackwell tensor cores (1x32 E8M0 block scaling); "
-                             "on Hopper only the CPU reference emulates it");
+      if (options.precision == Precision::kMXFP8) return mxfp8_on_cuda();
       *chosen = Backend::kCUDA;
       *reason = "cuda: requested";
       return Status::Ok();
     case Backend::kAuto: {
-      const Status cuda = cuda_backend_status();
-      if (cuda.ok() && options.precision != Precision::kMXFP8) {
+      std::string why;
+      const bool gpu = detail::cuda_layer_available(&why);
+      if (gpu && options.precision == Precision::kBF16) {
         *chosen = Backend::kCUDA;
         *reason = "auto: CUDA device found, using cuda";
       } else {
         *chosen = Backend::kCPU;
-        *reason = "auto: using cpu (" + (cuda.ok() ? std::string("mxfp8 has no Hopper kernel") : cuda.message()) + ")";
+        const std::string cause = gpu ? std::string("precision ") + to_string(options.precision) +
+                                            " has no CUDA kernels yet"
+                                      : "backend cuda: " + why;
+        *reason = "auto: using cpu (" + cause + ")";
       }
       return Status::Ok();
     }
@@ -78,19 +79,23 @@ Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* 
 }
 
 Status moe_forward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
-                   const TensorView& y, MoeSaved* saved) {
+                   const TensorView& y, MoeSaved* saved, MoeWorkspace* workspace) {
   Backend backend;
-  MEGAMOE_RETURN_IF_ERROR(check_call(problem, options, inputs, &backend));
+  MEGAMOE_RETURN_IF_ERROR(choose_backend(options, inputs, &backend));
+  if (backend == Backend::kCUDA) return detail::cuda_forward(problem, options, inputs, y, saved, workspace);
+  MEGAMOE_RETURN_IF_ERROR(check_cpu_call(problem, inputs));
   return reference::simulate_forward(problem, options, {inputs}, {y}, saved);
 }
 
 Status moe_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
-                    const TensorView& dy, const MoeSaved& saved, const MoeGrads& grads) {
+                    const TensorView& dy, const MoeSaved& saved, const MoeGrads& grads, MoeWorkspace* workspace) {
   Backend backend;
-  MEGAMOE_RETURN_IF_ERROR(check_call(problem, options, inputs, &backend));
+  MEGAMOE_RETURN_IF_ERROR(choose_backend(options, inputs, &backend));
   if (saved.impl() != nullptr && saved.impl()->backend != backend)
     return invalid_argument(std::string("saved: produced by backend ") + to_string(saved.impl()->backend) +
                             ", backward runs on " + to_string(backend));
+  if (backend == Backend::kCUDA) return detail::cuda_backward(problem, options, inputs, dy, saved, grads, workspace);
+  MEGAMOE_RETURN_IF_ERROR(check_cpu_call(problem, inputs));
   return reference::simulate_backward(problem, options, {inputs}, {dy}, saved, {grads});
 }
 

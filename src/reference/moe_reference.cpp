@@ -360,7 +360,7 @@ Status run_backward(const MoeProblem& problem, const Numerics& numerics, int thr
       const std::vector<double> ga = gemm_abt(dyq, transpose(w2, H, I), n, I, H, numerics.exact, ly.threads);
 
       // Routing-weight gradient and SwiGLU backward, row by row.
-      std::vector<double> dz(static_cast<size_t>(n * 2 * I)), wdy(static_cast<size_t>(n * H));
+      std::vector<double> dz(static_cast<size_t>(n * 2 * I)), wa(static_cast<size_t>(n * I));
       for (int64_t r = 0; r < n; ++r) {
         const RowSource& s = owner.row_source[row0 + r];
         const double w = route_weight(ranks, s, k);
@@ -378,7 +378,7 @@ Status run_backward(const MoeProblem& problem, const Numerics& numerics, int thr
           dz[r * 2 * I + i] = ly.rnd.bf16(da * u * dsilu);
           dz[r * 2 * I + I + i] = ly.rnd.bf16(da * silu);
         }
-        for (int64_t h = 0; h < H; ++h) wdy[r * H + h] = ly.rnd.bf16(ly.rnd.f32(w * dyp[r * H + h]));
+        for (int64_t i = 0; i < I; ++i) wa[r * I + i] = ly.rnd.bf16(ly.rnd.f32(w * a[r * I + i]));
       }
 
       // dx slots = dz @ w13 (K = 2I: w13's rows)
@@ -394,11 +394,12 @@ Status run_backward(const MoeProblem& problem, const Numerics& numerics, int thr
 
       // Weight gradients: K-grouped over this expert's rows (K = tokens).
       if (!want_wgrad) continue;
-      std::vector<double> aq = a;
-      ly.bwd.token_major(wdy, n, H);
-      ly.bwd.token_major(aq, n, I);
+      // dW2 = sum_rows dy (w a)^T: the routing weight rides on the narrower operand.
+      std::vector<double> dyw = dyp;
+      ly.bwd.token_major(dyw, n, H);
+      ly.bwd.token_major(wa, n, I);
       const std::vector<double> dw2 =
-          gemm_abt(transpose(wdy, n, H), transpose(aq, n, I), H, I, n, numerics.exact, ly.threads);
+          gemm_abt(transpose(dyw, n, H), transpose(wa, n, I), H, I, n, numerics.exact, ly.threads);
       ly.bwd.token_major(dz, n, 2 * I);
       ly.bwd.token_major(x, n, H);
       const std::vector<double> dw13 =

@@ -9,7 +9,7 @@
 //   z = GEMM1 (fp32 accumulate) -> bf16;  a = silu(g) * u -> bf16
 //   combine slot w * o -> bf16; y = fixed-order fp32 sum over j -> bf16
 //   dz -> bf16; dx slot -> bf16; dx = fp32 sum over j -> bf16
-//   w * dy (dW2 operand) -> bf16; d topk_w, dW13, dW2 accumulate in fp32
+//   w * a (dW2 operand) -> bf16; d topk_w, dW13, dW2 accumulate in fp32
 // Quantised precisions additionally fake-quantise GEMM operands (numerics.h).
 #pragma once
 

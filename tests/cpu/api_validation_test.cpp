@@ -1,5 +1,6 @@
 // Every bad input to the public entry points gives a clear error naming the
 // problem, and no output is touched.
+#include "cuda/device_query.h"
 #include "test_util.h"
 
 namespace megamoe::testing {
@@ -106,12 +107,18 @@ TEST_F(ApiValidation, MultiRankOnTheSingleRankEntryPoint) {
   expect_forward_error(StatusCode::kUnimplemented, "simulate_forward simulates P ranks");
 }
 
-TEST_F(ApiValidation, CudaBackendIsAClearErrorUntilItExists) {
+TEST_F(ApiValidation, CudaBackendWithoutGpuOrWorkspaceIsAClearError) {
   MoeOptions o = cpu_options();
   o.backend = Backend::kCUDA;
   const Status st = forward(o);
-  EXPECT_TRUE(st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kUnimplemented) << st.to_string();
-  EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
+  std::string why;
+  if (cuda::device_count(&why) == 0) {
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+    EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
+  } else {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("backend cuda needs a MoeWorkspace"), std::string::npos) << st.message();
+  }
 }
 
 TEST_F(ApiValidation, Mxfp8OnCudaNamesBlackwell) {
@@ -120,14 +127,24 @@ TEST_F(ApiValidation, Mxfp8OnCudaNamesBlackwell) {
   expect_forward_error(StatusCode::kUnimplemented, "mxfp8 needs Blackwell", o);
 }
 
-TEST_F(ApiValidation, AutoFallsBackToCpuAndSaysWhy) {
+TEST_F(ApiValidation, AutoSaysWhichBackendAndWhy) {
   MoeOptions o;
   o.backend = Backend::kAuto;
   Backend chosen;
-  std::string reason;
+  std::string reason, why;
   ASSERT_TRUE(resolve_backend(o, &chosen, &reason).ok());
-  EXPECT_EQ(chosen, Backend::kCPU);  // no CUDA layer yet, on any machine
-  EXPECT_EQ(reason.rfind("auto: using cpu (", 0), 0u) << reason;
+  if (cuda::device_count(&why) == 0) {
+    EXPECT_EQ(chosen, Backend::kCPU);
+    EXPECT_EQ(reason, "auto: using cpu (backend cuda: " + why + ")");
+  } else {
+    EXPECT_EQ(chosen, Backend::kCUDA);
+    EXPECT_EQ(reason, "auto: CUDA device found, using cuda");
+  }
+  o.precision = Precision::kFP8;  // no CUDA kernels yet: cpu either way
+  ASSERT_TRUE(resolve_backend(o, &chosen, &reason).ok());
+  EXPECT_EQ(chosen, Backend::kCPU);
+  // A call with auto follows its tensors: these are CPU tensors.
+  EXPECT_TRUE(forward(o).ok());
 }
 
 TEST_F(ApiValidation, BackwardWithoutForward) {

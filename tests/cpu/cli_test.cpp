@@ -6,6 +6,8 @@
 #include <string>
 #include <sys/wait.h>
 
+#include "cuda/device_query.h"
+
 namespace {
 
 struct Result {
@@ -45,7 +47,13 @@ TEST(Cli, SimulatedRanksAndFp8) {
 TEST(Cli, AutoSaysWhichBackendAndWhy) {
   const Result r = run_cli("run --preset tiny --tokens 16");
   EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_TRUE(has(r, "backend: auto: using cpu (")) << r.output;
+  std::string why;
+  if (megamoe::cuda::device_count(&why) == 0) {
+    EXPECT_TRUE(has(r, "backend: auto: using cpu (")) << r.output;
+  } else {
+    EXPECT_TRUE(has(r, "backend: auto: CUDA device found, using cuda")) << r.output;
+    EXPECT_TRUE(has(r, "times: CUDA-event medians")) << r.output;
+  }
 }
 
 TEST(Cli, BadOptionsExitWithUsage) {
@@ -65,10 +73,19 @@ TEST(Cli, BadOptionsExitWithUsage) {
   EXPECT_EQ(r.status, 2);
 }
 
-TEST(Cli, CudaBackendFailsClearlyWhileItDoesNotExist) {
-  const Result r = run_cli("run --preset tiny --tokens 16 --backend cuda");
-  EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_TRUE(has(r, "backend cuda:")) << r.output;
+TEST(Cli, CudaBackendRunsOrSaysWhyNot) {
+  const Result r = run_cli("run --preset tiny --tokens 100 --backend cuda");
+  std::string why;
+  if (megamoe::cuda::device_count(&why) == 0) {
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_TRUE(has(r, "backend cuda:")) << r.output;
+  } else {
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(has(r, "workspace:")) << r.output;
+    EXPECT_FALSE(has(r, " NO")) << r.output;
+  }
+  const Result fp8 = run_cli("run --preset tiny --tokens 16 --backend cuda --precision fp8");
+  EXPECT_EQ(fp8.status, 2) << fp8.output;
 }
 
 }  // namespace

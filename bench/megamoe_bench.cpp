@@ -1,0 +1,124 @@
+// megamoe-bench: forward, backward and forward+backward of the CUDA layer on
+// one GPU, CUDA-event medians after warm-up, inputs rotated over two sets so
+// that L2 (60 MB) does not serve repeated reads; TFLOPS, % of the measured
+// bf16 peak, device memory; JSON out.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "testing/device_layer.h"
+
+namespace {
+
+using namespace megamoe;
+
+struct Shape {
+  const char* name;
+  int64_t H, I;
+  int E, k;
+};
+const Shape kShapes[] = {{"tiny", 256, 128, 8, 2},
+                         {"qwen3-30b-a3b", 2048, 768, 128, 8},
+                         {"qwen3-235b-a22b", 4096, 1536, 128, 8}};
+constexpr double kPeakTflops = 797.0;  // measured bf16 dense GEMM on an H200 (DESIGN.md section 7)
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "megamoe-bench: %s\n", st.to_string().c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
+                                            {"iters", "20"},            {"warmup", "3"},      {"json", ""},
+                                            {"wgrad", "f32"}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) {
+      std::fprintf(stderr,
+                   "usage: megamoe-bench [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N] "
+                   "[--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] [--json PATH]\n");
+      return 2;
+    }
+    opt[a.substr(2)] = argv[i + 1];
+  }
+  const Shape* shape = nullptr;
+  for (const Shape& s : kShapes)
+    if (opt["preset"] == s.name) shape = &s;
+  if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
+  MoeOptions o;
+  o.backend = Backend::kCUDA;
+  Status st = parse_save_policy(opt["save"], &o.save_policy);
+  if (!st.ok()) return fail(st);
+  const int iters = std::atoi(opt["iters"].c_str()), warmup = std::atoi(opt["warmup"].c_str());
+  const DType wgrad = opt["wgrad"] == "bf16" ? DType::kBF16 : DType::kF32;
+
+  MoeProblem p;
+  p.num_tokens = std::atoll(opt["tokens"].c_str());
+  p.hidden = shape->H, p.intermediate = shape->I, p.num_experts = shape->E, p.top_k = shape->k;
+  p.max_tokens_per_rank = p.num_tokens;
+  st = validate_problem(p);
+  if (!st.ok()) return fail(st);
+
+  size_t free0 = 0, total = 0;
+  cudaMemGetInfo(&free0, &total);
+  std::unique_ptr<MoeWorkspace> ws;
+  st = MoeWorkspace::create(p, o, 0, &ws);
+  if (!st.ok()) return fail(st);
+  testing::DeviceLayer sets[2];
+  for (int s = 0; s < 2; ++s) {
+    testing::LayerSpec spec;
+    spec.problem = p;
+    spec.seed = 100 + static_cast<uint64_t>(s);
+    st = testing::make_device_layer(p, testing::make_layer_data(spec), wgrad, 0, &sets[s]);
+    if (!st.ok()) return fail(st);
+  }
+  size_t free1 = 0;
+  cudaMemGetInfo(&free1, &total);
+
+  int cur = 0;
+  MoeSaved saved;
+  auto fwd = [&] {
+    testing::DeviceLayer& d = sets[cur];
+    if (st.ok()) st = moe_forward(p, o, d.inputs(), d.y.view(), &saved, ws.get());
+  };
+  auto bwd = [&] {
+    testing::DeviceLayer& d = sets[cur];
+    if (st.ok()) st = moe_backward(p, o, d.inputs(), d.dy.view(), saved, d.grads(), ws.get());
+  };
+  auto rotate = [&] { cur ^= 1; };
+  const double fwd_ms = testing::median_ms([&] { rotate(), fwd(); }, warmup, iters, nullptr);
+  const double bwd_ms = testing::median_ms(bwd, warmup, iters, nullptr, [&] { rotate(), fwd(); });
+  const double both_ms = testing::median_ms([&] { rotate(), fwd(), bwd(); }, warmup, iters, nullptr);
+  if (st.ok()) st = ws->check_device_errors(o);
+  if (!st.ok()) return fail(st);
+
+  const double ff = forward_flops(p), bf = backward_flops(p, o.save_policy);
+  const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
+  const double ws_gib = static_cast<double>(ws->size_bytes()) / (1 << 30);
+  const double io_gib = static_cast<double>(free0 - free1) / (1 << 30) / 2 - ws_gib / 2;  // one input/output set
+  std::printf("megamoe-bench: %s, %lld tokens, save %s, wgrad %s (medians of %d after %d warm-ups)\n", shape->name,
+              static_cast<long long>(p.num_tokens), to_string(o.save_policy), to_string(wgrad), iters, warmup);
+  std::printf("%-10s %10s %9s %8s\n", "phase", "ms", "TFLOPS", "%peak");
+  std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "forward", fwd_ms, tf_f, 100 * tf_f / kPeakTflops);
+  std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "backward", bwd_ms, tf_b, 100 * tf_b / kPeakTflops);
+  std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "fwd+bwd", both_ms, tf_fb, 100 * tf_fb / kPeakTflops);
+  std::printf("device memory: workspace %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB\n", ws_gib, io_gib);
+  if (!opt["json"].empty()) {
+    FILE* f = std::fopen(opt["json"].c_str(), "w");
+    if (f != nullptr) {
+      std::fprintf(f,
+                   "{\"preset\": \"%s\", \"tokens\": %lld, \"save\": \"%s\", \"forward_ms\": %.4f, "
+                   "\"backward_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"forward_tflops\": %.2f, \"backward_tflops\": %.2f, "
+                   "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"workspace_bytes\": %zu}\n",
+                   shape->name, static_cast<long long>(p.num_tokens), to_string(o.save_policy), fwd_ms, bwd_ms,
+                   both_ms, tf_f, tf_b, tf_fb, kPeakTflops, ws->size_bytes());
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

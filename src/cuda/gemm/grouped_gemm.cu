@@ -1,0 +1,407 @@
+// The grouped GEMM engine: a persistent kernel with one producer warp issuing
+// TMA loads into a ring of shared-memory stages and two consumer warpgroups
+// issuing wgmma (64 rows each), followed by a fused epilogue staged through
+// shared memory so that global stores are 16-byte, row-contiguous.
+#include <cuda_bf16.h>
+
+#include <string>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/tensor_map.h"
+#include "cuda/ptx/sm90.cuh"
+
+namespace megamoe::cuda {
+namespace {
+
+using namespace ptx;
+
+constexpr int kThreads = 384;                  // warpgroup 0: producer; 1, 2: consumers
+constexpr int kTileBytesA = kBlockM * kBlockK * 2;  // 16 KB: two 64-row (or 64-column) boxes
+constexpr int kTileBytesB = kBlockN * kBlockK * 2;  // 16 KB
+constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+constexpr int kBoxBytes = 64 * 64 * 2;         // one 128B-swizzled TMA box: 64 x 128 bytes
+constexpr int kStagePad = 8;                   // staging row padding (elements): fewer bank conflicts
+
+template <GemmMode M>
+struct ModeTraits {
+  static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
+  static constexpr bool kBMnMajor =
+      M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
+  static constexpr bool kF32Staging = M == GemmMode::kWeightGrad;
+  static constexpr int kStages = kF32Staging ? 4 : 5;
+  static constexpr int kStagingBytes = kBlockM * (kBlockN + kStagePad) * (kF32Staging ? 4 : 2);
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8;
+};
+
+struct KernelParams {
+  GroupedGemmArgs args;
+  int n_tiles;  // output column tiles
+  int m_tiles;  // kWeightGrad: row tiles of dW[e]
+};
+
+// Work of one output tile.
+struct Tile {
+  int expert, m, n;  // m: pool tile (M-grouped) or dW row tile (kWeightGrad)
+  int k_begin;       // first K coordinate (pool row for kWeightGrad, else 0)
+  int k_blocks;
+};
+
+template <GemmMode M>
+__device__ __forceinline__ int num_tiles(const KernelParams& p) {
+  if constexpr (M == GemmMode::kWeightGrad) {
+    return p.args.plan.num_experts * p.m_tiles * p.n_tiles;
+  } else {
+    return (*p.args.plan.pool_rows / kBlockM) * p.n_tiles;
+  }
+}
+
+template <GemmMode M>
+__device__ __forceinline__ Tile tile_at(const KernelParams& p, int t) {
+  Tile tile;
+  if constexpr (M == GemmMode::kWeightGrad) {
+    const int per_expert = p.m_tiles * p.n_tiles;
+    tile.expert = t / per_expert;
+    tile.m = (t % per_expert) / p.n_tiles;
+    tile.n = t % p.n_tiles;
+    const int rows = p.args.plan.expert_rows[tile.expert];
+    tile.k_begin = p.args.plan.expert_offset[tile.expert];
+    tile.k_blocks = ((rows + kBlockM - 1) / kBlockM) * (kBlockM / kBlockK);  // segments are 128-padded
+  } else {
+    tile.m = t / p.n_tiles;
+    tile.n = t % p.n_tiles;
+    tile.expert = p.args.plan.tile_expert[tile.m];
+    tile.k_begin = 0;
+    tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
+  }
+  return tile;
+}
+
+// TMA loads of one k-block of a tile: A and B, each as two 64 x 64 boxes.
+template <GemmMode M>
+__device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
+                                           const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
+                                           uint8_t* smem_b, uint64_t* full) {
+  using T = ModeTraits<M>;
+  const int k0 = tile.k_begin + kb * kBlockK;
+  const int e = tile.expert;
+  const int I = static_cast<int>(p.args.intermediate);
+  for (int box = 0; box < 2; ++box) {
+    // A
+    if constexpr (T::kAMnMajor) {
+      tma_load_2d(smem_a + box * kBoxBytes, map_a, full, tile.m * kBlockM + box * 64, k0);
+    } else {
+      tma_load_2d(smem_a + box * kBoxBytes, map_a, full, k0, tile.m * kBlockM + box * 64);
+    }
+    // B
+    if constexpr (M == GemmMode::kGateUp) {  // gate rows and the matching up rows
+      const int row = e * 2 * I + (box == 0 ? 0 : I) + tile.n * 64;
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
+    } else if constexpr (M == GemmMode::kDown) {
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
+    } else if constexpr (M == GemmMode::kWeightGrad) {
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64, k0);
+    } else {  // kDownGrad (w2 as [E*H, I]) and kGateUpGrad (w13 as [E*2I, H]): K = rows of expert e
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64,
+                  e * static_cast<int>(p.args.k) + k0);
+    }
+  }
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Row of the tile held by accumulator element i of this thread, and its column.
+__device__ __forceinline__ int acc_row(int wg, int i) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  return wg * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+}
+__device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
+
+constexpr int kStagingLd = kBlockN + kStagePad;
+
+// Consumer threads (256) copy a staged [128][cols] bf16 tile to global rows.
+// dst_row(r) returns the destination row pointer (nullptr: skip the row).
+template <typename RowFn>
+__device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int cols, RowFn dst_row) {
+  const int tid = threadIdx.x - 128;
+  const int chunks = cols / 8;
+  for (int c = tid; c < kBlockM * chunks; c += 256) {
+    const int r = c / chunks, cc = c % chunks;
+    __nv_bfloat16* dst = dst_row(r, cc);
+    if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
+  }
+}
+
+__device__ __forceinline__ void consumer_sync() { named_barrier(1, 256); }
+
+template <GemmMode M>
+__device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile, int wg, float (&acc)[64],
+                                         uint8_t* staging_raw) {
+  const GroupedGemmArgs& a = p.args;
+  const DevicePlan& plan = a.plan;
+  auto* staging = reinterpret_cast<__nv_bfloat16*>(staging_raw);
+  const int64_t I = a.intermediate;
+  const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+
+  consumer_sync();  // the previous tile's copy-out has finished reading the staging buffer
+
+  if constexpr (M == GemmMode::kGateUp) {
+    // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
+    auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
+    auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(acc[i]);
+    consumer_sync();
+    if (z_pool != nullptr)
+      copy_out_bf16(staging, kBlockN, [&](int r, int cc) {
+        const int64_t col = cc < 8 ? tile.n * 64 + cc * 8 : I + tile.n * 64 + (cc - 8) * 8;
+        return z_pool + (pool_row0 + r) * 2 * I + col;
+      });
+    consumer_sync();
+    if (a_pool != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {  // elements i (gate) and i + 32 (up) share row and column
+        const float g = round_bf16(acc[i]), u = round_bf16(acc[i + 32]);
+        staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(silu_f(g) * u);
+      }
+      consumer_sync();
+      copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
+    }
+  } else if constexpr (M == GemmMode::kDown || M == GemmMode::kGateUpGrad) {
+    // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
+    const int k = plan.top_k;
+    const int64_t T = plan.num_tokens, N = a.n;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      float v = acc[i];
+      if constexpr (M == GemmMode::kDown) {
+        const int src = plan.row_src[pool_row0 + acc_row(wg, i)];
+        v = src >= 0 ? a.topk_weights[src] * v : 0.0f;
+      }
+      staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(v);
+    }
+    consumer_sync();
+    auto* slots = static_cast<__nv_bfloat16*>(a.out0);
+    copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
+      const int src = plan.row_src[pool_row0 + r];
+      if (src < 0) return nullptr;
+      const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
+      return slots + slot_row * N + tile.n * kBlockN + cc * 8;
+    });
+  } else if constexpr (M == GemmMode::kDownGrad) {
+    // acc = ga for a-columns 128n + c. With (g, u) from the saved z:
+    //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
+    //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand).
+    const auto* z = static_cast<const __nv_bfloat16*>(a.z_pool);
+    auto* dz = static_cast<__nv_bfloat16*>(a.out0);
+    auto* wa = static_cast<__nv_bfloat16*>(a.out1);
+    float w_row[2];
+    for (int h = 0; h < 2; ++h) {
+      const int src = plan.row_src[pool_row0 + acc_row(wg, 2 * h)];
+      w_row[h] = src >= 0 ? a.topk_weights[src] : 0.0f;
+    }
+    float dw[2] = {0.0f, 0.0f};
+    for (int round = 0; round < 3; ++round) {
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int row = acc_row(wg, i), h = (i >> 1) & 1;
+        const int64_t col = static_cast<int64_t>(tile.n) * kBlockN + acc_col(i);
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(z + (pool_row0 + row) * 2 * I + col);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(z + (pool_row0 + row) * 2 * I + I + col);
+        float out[2];
+        for (int e = 0; e < 2; ++e) {
+          const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
+          const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
+          const float ga = acc[i + e], w = w_row[h];
+          if (round == 0) {
+            const float av = round_bf16(silu * u);
+            dw[h] += ga * av;
+            out[e] = w * av;
+          } else if (round == 1) {
+            out[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
+          } else {
+            out[e] = (w * ga) * silu;
+          }
+        }
+        *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + acc_col(i)) =
+            __floats2bfloat162_rn(out[0], out[1]);
+      }
+      consumer_sync();
+      if (round == 0) {
+        copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return wa + (pool_row0 + r) * I + tile.n * kBlockN + cc * 8; });
+      } else {
+        const int64_t base = (round == 1 ? 0 : I) + static_cast<int64_t>(tile.n) * kBlockN;
+        copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return dz + (pool_row0 + r) * 2 * I + base + cc * 8; });
+      }
+      consumer_sync();
+    }
+    // Row sums over this thread's columns, then over the quad: fixed order.
+    for (int h = 0; h < 2; ++h) {
+      dw[h] += __shfl_xor_sync(0xFFFFFFFFu, dw[h], 1);
+      dw[h] += __shfl_xor_sync(0xFFFFFFFFu, dw[h], 2);
+      if ((threadIdx.x & 3) == 0)
+        a.dw_partial[(pool_row0 + acc_row(wg, 2 * h)) * p.n_tiles + tile.n] = dw[h];
+    }
+  } else {  // kWeightGrad: dW[e][128m + r][128n + c]
+    auto* st = reinterpret_cast<float*>(staging_raw);
+#pragma unroll
+    for (int i = 0; i < 64; i += 2)
+      *reinterpret_cast<float2*>(st + acc_row(wg, i) * kStagingLd + acc_col(i)) = make_float2(acc[i], acc[i + 1]);
+    consumer_sync();
+    const int tid = threadIdx.x - 128;
+    const int64_t N = a.n;
+    const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
+                         static_cast<int64_t>(tile.n) * kBlockN;
+    for (int c = tid; c < kBlockM * (kBlockN / 4); c += 256) {
+      const int r = c / (kBlockN / 4), cc = c % (kBlockN / 4);
+      float4 v = *reinterpret_cast<const float4*>(st + r * kStagingLd + cc * 4);
+      const int64_t off = base + r * N + cc * 4;
+      if (a.out_f32) {
+        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out0) + off);
+        if (a.accumulate) {
+          const float4 old = *dst;
+          v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
+        }
+        *dst = v;
+      } else {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 packed;
+        packed.x = *reinterpret_cast<uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out0) + off) = packed;
+      }
+    }
+  }
+}
+
+template <GemmMode M>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ KernelParams p) {
+  using Tr = ModeTraits<M>;
+  constexpr int S = Tr::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* staging = smem + S * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::kStagingBytes);
+  uint64_t* empty = full + S;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // one arrival per consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int tiles = num_tiles<M>(p);
+  if (wg == 0) {
+    // Producer: one thread issues all TMA loads.
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&map_a);
+      tma_prefetch_descriptor(&map_b);
+      uint32_t it = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const Tile tile = tile_at<M>(p, t);
+        for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
+          const int s = static_cast<int>(it % S);
+          mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          mbar_arrive_expect_tx(&full[s], kStageBytes);
+          uint8_t* stage = smem + s * kStageBytes;
+          load_stage<M>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup 1 computes tile rows [0, 64), warpgroup 2 rows [64, 128).
+  const int cw = wg - 1;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  uint32_t it = 0;
+  float acc[64];
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = tile_at<M>(p, t);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    int prev_stage = -1;
+    for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
+      const int s = static_cast<int>(it % S);
+      mbar_wait(&full[s], (it / S) & 1);
+      const uint8_t* sa = smem + s * kStageBytes;
+      const uint8_t* sb = sa + kTileBytesA;
+      wgmma_fence();
+      fence_accumulators(acc);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        uint64_t da, db;
+        if constexpr (Tr::kAMnMajor) {
+          da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+        } else {
+          da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
+        }
+        if constexpr (Tr::kBMnMajor) {
+          db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
+        } else {
+          db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+        }
+        wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc, da, db, 1);
+      }
+      wgmma_commit();
+      fence_accumulators(acc);
+      wgmma_wait<1>();  // the previous k-block's wgmmas are done: release its stage
+      if (prev_stage >= 0 && warp_leader) mbar_arrive(&empty[prev_stage]);
+      prev_stage = s;
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (prev_stage >= 0 && warp_leader) mbar_arrive(&empty[prev_stage]);
+    epilogue<M>(p, tile, cw, acc, staging);
+  }
+}
+
+template <GemmMode M>
+Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                   const KernelParams& params, int grid, cudaStream_t stream) {
+  using Tr = ModeTraits<M>;
+  cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Tr::kSmemBytes);
+  if (err == cudaSuccess) {
+    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, params);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) return internal_error(std::string("grouped GEMM launch: ") + cudaGetErrorString(err));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream) {
+  if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
+    return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
+  if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
+  KernelParams p;
+  p.args = args;
+  // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
+  p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / 64 : args.n / kBlockN);
+  p.m_tiles = static_cast<int>(args.m / kBlockM);
+  // Every operand is loaded as 64 x 64 boxes; the mode decides what the two
+  // box dimensions mean (K-major: rows x K, MN-major: K x MN).
+  CUtensorMap map_a, map_b;
+  MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
+  MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+  const int grid = num_sms;
+  switch (args.mode) {
+    case GemmMode::kGateUp: return launch_mode<GemmMode::kGateUp>(map_a, map_b, p, grid, stream);
+    case GemmMode::kDown: return launch_mode<GemmMode::kDown>(map_a, map_b, p, grid, stream);
+    case GemmMode::kDownGrad: return launch_mode<GemmMode::kDownGrad>(map_a, map_b, p, grid, stream);
+    case GemmMode::kGateUpGrad: return launch_mode<GemmMode::kGateUpGrad>(map_a, map_b, p, grid, stream);
+    case GemmMode::kWeightGrad: return launch_mode<GemmMode::kWeightGrad>(map_a, map_b, p, grid, stream);
+  }
+  return internal_error("grouped GEMM: unknown mode");
+}
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,67 @@
+// The grouped GEMM engine of the MoE layer (sm_90a, bf16 in, fp32 accumulate).
+// One persistent, warp-specialised kernel serves every GEMM of the layer; a
+// mode picks the operand layouts, the grouping and the fused epilogue:
+//
+//  mode          C[M,N] =                       grouping   epilogue
+//  kGateUp       x_pool @ w13[e]^T   (K = H)     M by tile  z -> bf16 (keep), a = silu(g) u -> bf16
+//  kDown         a_pool @ w2[e]^T    (K = I)     M by tile  slot[j,t] = bf16(topk_w * C)
+//  kDownGrad     dy_pool @ w2[e]     (K = H)     M by tile  ga -> d topk_w partials, dz, topk_w * a
+//  kGateUpGrad   dz_pool @ w13[e]    (K = 2I)    M by tile  dx slot[j,t] = bf16(C)
+//  kWeightGrad   A_pool^T @ B_pool   (K = rows)  K by expert dW[e] -> fp32 (or +=) / bf16
+//
+// "M by tile": the pool's 128-row tiles each belong to one expert
+// (tile_expert); their number is read on the device. "K by expert": one
+// output tile per (expert, m, n), reducing over that expert's pool rows in
+// order. Every output element is written by exactly one CTA, in a fixed
+// order: results are deterministic. Tiles: BLOCK_M = BLOCK_N = 128, BLOCK_K = 64.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/status.h"
+
+namespace megamoe::cuda {
+
+enum class GemmMode { kGateUp, kDown, kDownGrad, kGateUpGrad, kWeightGrad };
+
+inline constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
+
+// The routing plan on the device (see moe/device_plan.h for how it is built).
+struct DevicePlan {
+  const int32_t* pool_rows = nullptr;      // [1]   rows used in the pool (multiple of 128)
+  const int32_t* tile_expert = nullptr;    // [capacity / 128]  expert of each 128-row tile
+  const int32_t* expert_offset = nullptr;  // [E]   first pool row of each expert
+  const int32_t* expert_rows = nullptr;    // [E]   real rows of each expert
+  const int32_t* row_src = nullptr;        // [capacity]  t * k + j of each row, -1 = padding
+  int num_tokens = 0, top_k = 0, num_experts = 0;
+};
+
+struct GroupedGemmArgs {
+  GemmMode mode = GemmMode::kGateUp;
+  DevicePlan plan;
+  int64_t m = 0;  // kWeightGrad: rows of dW[e]; unused otherwise (rows come from the plan)
+  int64_t n = 0;  // output columns (kGateUp: I, the a columns; z has 2I)
+  int64_t k = 0;  // reduction length (M-grouped modes)
+  int64_t intermediate = 0;
+  // Operands: row-major bf16 device arrays (see the table above).
+  const void* a = nullptr;
+  int64_t a_rows = 0, a_cols = 0;
+  const void* b = nullptr;
+  int64_t b_rows = 0, b_cols = 0;
+  // Epilogue operands (by mode).
+  const float* topk_weights = nullptr;  // [T, k]
+  const void* z_pool = nullptr;          // kDownGrad input [capacity, 2I]
+  void* out0 = nullptr;  // kGateUp: z_pool | kDown, kGateUpGrad: slots [k, T, H] | kDownGrad: dz_pool | kWeightGrad: dW
+  void* out1 = nullptr;  // kGateUp: a_pool | kDownGrad: wa_pool [capacity, I]
+  float* dw_partial = nullptr;  // kDownGrad: [capacity, I / 128]
+  bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)
+  bool accumulate = false;      // kWeightGrad fp32: add to out0
+};
+
+// Launches the engine on `stream`. Host-side checks only (no synchronisation).
+Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream);
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,106 @@
+#include "cuda/moe/layer_kernels.h"
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <string>
+
+#include "cuda/moe/device_plan.h"
+
+namespace megamoe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Enough blocks to fill the GPU; the kernels stride over their work.
+int grid_for(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
+}
+
+__global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, const int32_t* row_src, int k,
+                                   const int32_t* pool_rows, uint4* pool) {
+  const int64_t total = static_cast<int64_t>(*pool_rows) * chunks_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks_per_row, c = i % chunks_per_row;
+    const int32_t s = row_src[r];
+    pool[i] = s >= 0 ? src[(s / k) * chunks_per_row + c] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+__global__ void combine_slots_kernel(const uint4* slots, const int32_t* topk_idx, int64_t T, int k, int E,
+                                     int64_t chunks_per_row, const unsigned long long* error_key, uint4* out) {
+  const bool failed = *error_key != kNoPlanError;
+  const int64_t total = T * chunks_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / chunks_per_row;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = topk_idx[t * k + j];
+      if (e < 0 || e >= E) continue;
+      const uint4 v = slots[j * total + i];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(p[q]);
+        acc[2 * q] += f.x;
+        acc[2 * q + 1] += f.y;
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
+    for (int q = 0; q < 4; ++q)
+      po[q] = failed ? __floats2bfloat162_rn(NAN, NAN) : __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    out[i] = o;
+  }
+}
+
+__global__ void reduce_route_partials_kernel(const float* partial, int n_parts, const int32_t* route_row,
+                                             int64_t num_routes, const unsigned long long* error_key, float* out) {
+  const bool failed = *error_key != kNoPlanError;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_routes;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t row = route_row[i];
+    float s = 0.0f;
+    if (row >= 0)
+      for (int n = 0; n < n_parts; ++n) s += partial[static_cast<int64_t>(row) * n_parts + n];
+    out[i] = failed ? NAN : s;
+  }
+}
+
+Status check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(err));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int top_k, const int32_t* pool_rows,
+                   int64_t capacity, void* pool, cudaStream_t stream) {
+  const int64_t chunks = width / 8;  // 16-byte chunks of bf16
+  gather_rows_kernel<<<grid_for(capacity * chunks / 4), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(src), chunks, row_src, top_k, pool_rows, static_cast<uint4*>(pool));
+  return check_launch("gather_rows_kernel");
+}
+
+Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
+                     int64_t width, const unsigned long long* error_key, void* out, cudaStream_t stream) {
+  if (num_tokens == 0) return Status::Ok();
+  const int64_t chunks = width / 8;
+  combine_slots_kernel<<<grid_for(num_tokens * chunks), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(slots), topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
+      static_cast<uint4*>(out));
+  return check_launch("combine_slots_kernel");
+}
+
+Status reduce_route_partials(const float* partial, int n_parts, const int32_t* route_row, int64_t num_routes,
+                             const unsigned long long* error_key, float* out, cudaStream_t stream) {
+  if (num_routes == 0) return Status::Ok();
+  reduce_route_partials_kernel<<<grid_for(num_routes), kThreads, 0, stream>>>(partial, n_parts, route_row,
+                                                                             num_routes, error_key, out);
+  return check_launch("reduce_route_partials_kernel");
+}
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,28 @@
+// The memory-bound steps of the layer around the GEMMs: gathering token rows
+// into the expert-major pool (the P = 1 dispatch), the fixed-order slot sums
+// (combine), and the reduction of d topk_w partials.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/status.h"
+
+namespace megamoe::cuda {
+
+// pool[r] = src[row_src[r] / k] for r < *pool_rows, zeros for padding rows.
+// src [T, width] bf16, pool [capacity, width] bf16.
+Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int top_k, const int32_t* pool_rows,
+                   int64_t capacity, void* pool, cudaStream_t stream);
+
+// out[t] = bf16(sum_{j = 0..k-1, 0 <= topk_idx[t,j] < E} slots[j, t]) in fp32, j in order.
+// If the plan found a routing error, out is filled with NaN (never silently wrong).
+Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
+                     int64_t width, const unsigned long long* error_key, void* out, cudaStream_t stream);
+
+// d_topk_w[t, j] = sum_n partial[route_row[t, j], n] (n in order), 0 for no route; NaN on a routing error.
+Status reduce_route_partials(const float* partial, int n_parts, const int32_t* route_row, int64_t num_routes,
+                             const unsigned long long* error_key, float* out, cudaStream_t stream);
+
+}  // namespace megamoe::cuda
