@@ -125,7 +125,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"one_hot_expert", 333, 256, 128, 16, 2, Routing::kOneExpert},
                       Case{"dropped_routes", 190, 256, 128, 32, 4, Routing::kWithDrops},
                       Case{"half_experts_empty", 130, 128, 128, 64, 4, Routing::kFirstHalf},
-                      Case{"qwen3_30b_like", 256, 2048, 768, 128, 8, Routing::kUniform}),
+                      Case{"qwen3_30b_widths", 64, 2048, 768, 16, 8, Routing::kUniform}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 MoeProblem small_problem() {

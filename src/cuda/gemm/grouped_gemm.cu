@@ -119,6 +119,12 @@ __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threa
 
 constexpr int kStagingLd = kBlockN + kStagePad;
 
+// Accumulator elements i and i + 1 are adjacent columns of one row: stage them
+// as one bf16x2 word.
+__device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int wg, int i, float v0, float v1) {
+  *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(wg, i) * kStagingLd + acc_col(i)) = __floats2bfloat162_rn(v0, v1);
+}
+
 // Consumer threads (256) copy a staged [128][cols] bf16 tile to global rows.
 // dst_row(r) returns the destination row pointer (nullptr: skip the row).
 template <typename RowFn>
@@ -150,7 +156,7 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
     auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(acc[i]);
+    for (int i = 0; i < 64; i += 2) stage_pair(staging, wg, i, acc[i], acc[i + 1]);
     consumer_sync();
     if (z_pool != nullptr)
       copy_out_bf16(staging, kBlockN, [&](int r, int cc) {
@@ -160,9 +166,10 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     consumer_sync();
     if (a_pool != nullptr) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {  // elements i (gate) and i + 32 (up) share row and column
-        const float g = round_bf16(acc[i]), u = round_bf16(acc[i + 32]);
-        staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(silu_f(g) * u);
+      for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
+        const float g0 = round_bf16(acc[i]), u0 = round_bf16(acc[i + 32]);
+        const float g1 = round_bf16(acc[i + 1]), u1 = round_bf16(acc[i + 33]);
+        stage_pair(staging, wg, i, silu_f(g0) * u0, silu_f(g1) * u1);
       }
       consumer_sync();
       copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
@@ -171,14 +178,17 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
     const int k = plan.top_k;
     const int64_t T = plan.num_tokens, N = a.n;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      float v = acc[i];
-      if constexpr (M == GemmMode::kDown) {
-        const int src = plan.row_src[pool_row0 + acc_row(wg, i)];
-        v = src >= 0 ? a.topk_weights[src] * v : 0.0f;
+    float w_row[2] = {1.0f, 1.0f};
+    if constexpr (M == GemmMode::kDown) {
+      for (int h = 0; h < 2; ++h) {
+        const int src = plan.row_src[pool_row0 + acc_row(wg, 2 * h)];
+        w_row[h] = src >= 0 ? a.topk_weights[src] : 0.0f;
       }
-      staging[acc_row(wg, i) * kStagingLd + acc_col(i)] = __float2bfloat16_rn(v);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const float w = w_row[(i >> 1) & 1];
+      stage_pair(staging, wg, i, w * acc[i], w * acc[i + 1]);
     }
     consumer_sync();
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
@@ -327,14 +337,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Tile tile = tile_at<M>(p, t);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    int prev_stage = -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
       const int s = static_cast<int>(it % S);
       mbar_wait(&full[s], (it / S) & 1);
       const uint8_t* sa = smem + s * kStageBytes;
       const uint8_t* sb = sa + kTileBytesA;
-      wgmma_fence();
+      // The accumulators are touched only between wgmma.fence and the wait
+      // that retires the group: no copy of them can be made mid-flight.
       fence_accumulators(acc);
+      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         uint64_t da, db;
@@ -351,14 +362,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc, da, db, 1);
       }
       wgmma_commit();
+      wgmma_wait<0>();
       fence_accumulators(acc);
-      wgmma_wait<1>();  // the previous k-block's wgmmas are done: release its stage
-      if (prev_stage >= 0 && warp_leader) mbar_arrive(&empty[prev_stage]);
-      prev_stage = s;
+      if (warp_leader) mbar_arrive(&empty[s]);  // this stage's operands are consumed
     }
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    if (prev_stage >= 0 && warp_leader) mbar_arrive(&empty[prev_stage]);
     epilogue<M>(p, tile, cw, acc, staging);
   }
 }

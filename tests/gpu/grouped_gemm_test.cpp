@@ -1,0 +1,292 @@
+// The grouped GEMM engine on its own: each mode against a plain CPU GEMM on
+// random pools laid out by a real device routing plan.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/moe/device_plan.h"
+#include "gpu_test_util.h"
+#include "reference/numerics.h"
+
+namespace megamoe::testing {
+namespace {
+
+using cuda::GemmMode;
+using numerics::round_to_bf16;
+
+// A device buffer of bf16 values mirrored on the host (as floats).
+struct Mat {
+  int64_t rows = 0, cols = 0;
+  std::vector<float> host;
+  DeviceTensor dev;
+  void make(int64_t r, int64_t c) {
+    rows = r, cols = c;
+    host.assign(static_cast<size_t>(r * c), 0.0f);
+    dev = DeviceTensor(DType::kBF16, {r, c});
+  }
+  void upload() {
+    HostTensor h(DType::kBF16, {rows, cols});
+    for (int64_t i = 0; i < rows * cols; ++i) h.set(i, host[i]);
+    ASSERT_TRUE(dev.upload(h).ok());
+  }
+  std::vector<float> download(DType t = DType::kBF16) const {
+    HostTensor h(t, {rows, cols});
+    EXPECT_TRUE(dev.download(&h).ok());
+    std::vector<float> v(static_cast<size_t>(rows * cols));
+    for (int64_t i = 0; i < rows * cols; ++i) v[i] = static_cast<float>(h.get(i));
+    return v;
+  }
+};
+
+// On a mismatch, where the wrong elements are: helps tell a layout bug from a race.
+void describe_mismatch(const std::vector<float>& got, const std::vector<double>& ref, int64_t cols) {
+  int64_t bad = 0, shown = 0;
+  std::vector<int64_t> by_col8(static_cast<size_t>(cols / 8), 0), by_row16(8, 0);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::fabs(got[i] - ref[i]) <= 0.05 * std::fabs(ref[i]) + 0.05) continue;
+    ++bad;
+    const int64_t r = static_cast<int64_t>(i) / cols, c = static_cast<int64_t>(i) % cols;
+    ++by_col8[c / 8];
+    ++by_row16[(r % 128) / 16];
+    if (shown++ < 4) std::printf("  bad (%lld, %lld): got %g ref %g\n", (long long)r, (long long)c, got[i], ref[i]);
+  }
+  std::printf("  %lld of %zu elements off; by 8-column group:", (long long)bad, ref.size());
+  for (int64_t v : by_col8) std::printf(" %lld", (long long)v);
+  std::printf("\n  by 16-row group of the tile:");
+  for (int64_t v : by_row16) std::printf(" %lld", (long long)v);
+  std::printf("\n");
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+class GroupedGemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
+    MoeProblem p;
+    p.num_tokens = T, p.hidden = H, p.intermediate = I, p.num_experts = E, p.top_k = k, p.max_tokens_per_rank = T;
+    LayerSpec spec;
+    spec.problem = p;
+    spec.seed = 77;
+    data = make_layer_data(spec);
+    C = align_rows(T * k + E * 127);
+    idx = DeviceTensor(DType::kI32, {T, k});
+    ASSERT_TRUE(idx.upload(data.topk_idx).ok());
+    weights = DeviceTensor(DType::kF32, {T, k});
+    ASSERT_TRUE(weights.upload(data.topk_weights).ok());
+    auto alloc = [&](int64_t n) {
+      bufs.emplace_back(DType::kI32, std::initializer_list<int64_t>{n + 2});  // +2: room for a u64
+      return static_cast<int32_t*>(bufs.back().view().data);
+    };
+    cuda::DevicePlanBuffers b;
+    b.error_key = reinterpret_cast<unsigned long long*>(alloc(2));
+    b.chunk_counts = alloc(E * (T / 256 + 1));
+    b.expert_rows = alloc(E);
+    b.expert_offset = alloc(E + 1);
+    b.tile_expert = alloc(C / 128);
+    b.route_row = alloc(T * k);
+    b.row_src = alloc(C);
+    ASSERT_TRUE(cuda::build_device_plan(static_cast<const int32_t*>(idx.view().data), T, k, E, b, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    plan.pool_rows = b.expert_offset + E;
+    plan.tile_expert = b.tile_expert;
+    plan.expert_offset = b.expert_offset;
+    plan.expert_rows = b.expert_rows;
+    plan.row_src = b.row_src;
+    plan.num_tokens = static_cast<int>(T), plan.top_k = k, plan.num_experts = E;
+    row_src.resize(static_cast<size_t>(C));
+    tile_expert.resize(static_cast<size_t>(C / 128));
+    offsets.resize(E + 1);
+    rows.resize(E);
+    cudaMemcpy(row_src.data(), b.row_src, C * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(tile_expert.data(), b.tile_expert, C / 128 * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(offsets.data(), b.expert_offset, (E + 1) * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(rows.data(), b.expert_rows, E * 4, cudaMemcpyDeviceToHost);
+    pool_rows = offsets[E];
+    ASSERT_GT(pool_rows, 0);
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    sms = prop.multiProcessorCount;
+  }
+
+  static int64_t align_rows(int64_t r) { return (r + 127) / 128 * 128; }
+
+  // A pool of random values in real rows, zeros in padding rows.
+  void random_pool(Mat& m, int64_t cols, uint64_t stream) {
+    m.make(C, cols);
+    for (int64_t r = 0; r < pool_rows; ++r)
+      if (row_src[r] >= 0)
+        for (int64_t c = 0; c < cols; ++c)
+          m.host[r * cols + c] = round_to_bf16(static_cast<float>(uniform_pm1(5, stream, r * cols + c)));
+    m.upload();
+  }
+  void random_mat(Mat& m, int64_t r, int64_t c, double scale, uint64_t stream) {
+    m.make(r, c);
+    for (int64_t i = 0; i < r * c; ++i)
+      m.host[i] = round_to_bf16(static_cast<float>(scale * uniform_pm1(6, stream, i)));
+    m.upload();
+  }
+  void run(const cuda::GroupedGemmArgs& a) {
+    ASSERT_TRUE(cuda::launch_grouped_gemm(a, sms, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  double route_weight(int src) const { return data.topk_weights.get(src); }
+
+  const int64_t T = 300, H = 256, I = 128;
+  const int E = 4, k = 2;
+  int64_t C = 0, pool_rows = 0;
+  int sms = 0;
+  LayerData data;
+  DeviceTensor idx, weights;
+  std::vector<DeviceTensor> bufs;
+  cuda::DevicePlan plan;
+  std::vector<int32_t> row_src, tile_expert, offsets, rows;
+};
+
+// C[r, n] = sum_k A[r, k] * B_e(k, n) for every real pool row r of expert e.
+template <typename BAt>
+std::vector<double> pool_gemm(const Mat& a, int64_t K, int64_t N, const std::vector<int32_t>& row_src,
+                              const std::vector<int32_t>& tile_expert, int64_t pool_rows, BAt b_at) {
+  std::vector<double> c(static_cast<size_t>(pool_rows * N), 0.0);
+  for (int64_t r = 0; r < pool_rows; ++r) {
+    if (row_src[r] < 0) continue;
+    const int e = tile_expert[r / 128];
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t kk = 0; kk < K; ++kk) s += static_cast<double>(a.host[r * K + kk]) * b_at(e, kk, n);
+      c[r * N + n] = s;
+    }
+  }
+  return c;
+}
+
+TEST_F(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
+  Mat x, w13, z, a;
+  random_pool(x, H, 1);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
+  z.make(C, 2 * I);
+  a.make(C, I);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  run(g);
+  const auto ref = pool_gemm(x, H, 2 * I, row_src, tile_expert, pool_rows,
+                             [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + n) * H + kk]; });
+  const auto zg = z.download(), ag = a.download();
+  std::vector<float> zg_used(zg.begin(), zg.begin() + pool_rows * 2 * I);
+  EXPECT_LT(rel_err(zg_used, ref), 1e-2);
+  if (rel_err(zg_used, ref) > 1e-2) describe_mismatch(zg_used, ref, 2 * I);
+  std::vector<double> aref(static_cast<size_t>(pool_rows * I));
+  std::vector<float> ag_used(ag.begin(), ag.begin() + pool_rows * I);
+  for (int64_t r = 0; r < pool_rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const double gg = ref[r * 2 * I + i], u = ref[r * 2 * I + I + i];
+      aref[r * I + i] = gg / (1 + std::exp(-gg)) * u;
+    }
+  EXPECT_LT(rel_err(ag_used, aref), 1.5e-2);
+  // z alone (no a output) is the same z.
+  Mat z2;
+  z2.make(C, 2 * I);
+  g.out0 = z2.dev.view().data, g.out1 = nullptr;
+  run(g);
+  const auto z2g = z2.download();
+  EXPECT_EQ(z2g, zg);
+}
+
+TEST_F(GroupedGemm, DownKMajorWeightsIntoSlots) {
+  Mat a, w2, slots;
+  random_pool(a, I, 3);
+  random_mat(w2, E * H, I, 1.0 / 11, 4);
+  slots.make(k * T, H);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
+  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
+  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+  g.topk_weights = static_cast<const float*>(weights.view().data);
+  g.out0 = slots.dev.view().data;
+  run(g);
+  const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
+                             [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
+  const auto got = slots.download();
+  std::vector<float> g_rows;
+  std::vector<double> r_rows;
+  for (int64_t r = 0; r < pool_rows; ++r) {
+    const int s = row_src[r];
+    if (s < 0) continue;
+    const int64_t slot = (s % k) * T + s / k;
+    for (int64_t h = 0; h < H; ++h) {
+      g_rows.push_back(got[slot * H + h]);
+      r_rows.push_back(route_weight(s) * ref[r * H + h]);
+    }
+  }
+  EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
+}
+
+TEST_F(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
+  Mat dz, w13, slots;
+  random_pool(dz, 2 * I, 5);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
+  slots.make(k * T, H);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I;
+  g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = slots.dev.view().data;
+  run(g);
+  const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
+                             [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
+  const auto got = slots.download();
+  std::vector<float> g_rows;
+  std::vector<double> r_rows;
+  for (int64_t r = 0; r < pool_rows; ++r) {
+    const int s = row_src[r];
+    if (s < 0) continue;
+    const int64_t slot = (s % k) * T + s / k;
+    for (int64_t h = 0; h < H; ++h) {
+      g_rows.push_back(got[slot * H + h]);
+      r_rows.push_back(ref[r * H + h]);
+    }
+  }
+  EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
+  if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, H);
+}
+
+TEST_F(GroupedGemm, WeightGradMnMajorBothOperands) {
+  Mat pa, pb;
+  random_pool(pa, H, 7);
+  random_pool(pb, I, 8);
+  DeviceTensor out(DType::kF32, {E, H, I});
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kWeightGrad, g.plan = plan, g.m = H, g.n = I;
+  g.a = pa.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = pb.dev.view().data, g.b_rows = C, g.b_cols = I;
+  g.out0 = out.view().data, g.out_f32 = true;
+  run(g);
+  HostTensor got(DType::kF32, {E, H, I});
+  ASSERT_TRUE(out.download(&got).ok());
+  std::vector<float> gv;
+  std::vector<double> rv;
+  for (int e = 0; e < E; ++e)
+    for (int64_t m = 0; m < H; ++m)
+      for (int64_t n = 0; n < I; ++n) {
+        double s = 0;
+        for (int64_t r = offsets[e]; r < offsets[e] + rows[e]; ++r)
+          s += static_cast<double>(pa.host[r * H + m]) * pb.host[r * I + n];
+        rv.push_back(s);
+        gv.push_back(static_cast<float>(got.get((e * H + m) * I + n)));
+      }
+  EXPECT_LT(rel_err(gv, rv), 1e-4);
+}
+
+}  // namespace
+}  // namespace megamoe::testing
