@@ -131,6 +131,20 @@ DevicePlan device_plan(const DevicePlanBuffers& b, int64_t T, const LayerShape& 
   return p;
 }
 
+// An M-grouped GEMM over the pool: A = pool [C, k], B = stacked expert weights [b_rows, b_cols].
+GroupedGemmArgs pool_gemm(GemmMode mode, const DevicePlan& plan, const LayerShape& s, int64_t capacity,
+                          const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n) {
+  GroupedGemmArgs g;
+  g.mode = mode;
+  g.plan = plan;
+  g.n = n;
+  g.k = k;
+  g.intermediate = s.intermediate;
+  g.a = a, g.a_rows = capacity, g.a_cols = k;
+  g.b = b, g.b_rows = b_rows, g.b_cols = b_cols;
+  return g;
+}
+
 }  // namespace
 
 Status LayerWorkspace::forward(int64_t T, const LayerInputs& in, void* y, SavePolicy policy, cudaStream_t stream) {
@@ -145,26 +159,13 @@ Status LayerWorkspace::forward(int64_t T, const LayerInputs& in, void* y, SavePo
   const DevicePlan plan = device_plan(b.plan, T, s);
   MEGAMOE_RETURN_IF_ERROR(gather_rows(in.x, H, b.plan.row_src, s.top_k, plan.pool_rows, C, b.x_pool, stream));
 
-  GroupedGemmArgs g1;
-  g1.mode = GemmMode::kGateUp;
-  g1.plan = plan;
-  g1.n = I;
-  g1.k = H;
-  g1.intermediate = I;
-  g1.a = b.x_pool, g1.a_rows = C, g1.a_cols = H;
-  g1.b = in.w13, g1.b_rows = s.num_experts * 2 * I, g1.b_cols = H;
+  const int64_t E = s.num_experts;
+  GroupedGemmArgs g1 = pool_gemm(GemmMode::kGateUp, plan, s, C, b.x_pool, H, in.w13, E * 2 * I, H, I);
   g1.out0 = policy == SavePolicy::kKeep ? b.z_pool : nullptr;
   g1.out1 = b.a_pool;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, num_sms_, stream));
 
-  GroupedGemmArgs g2;
-  g2.mode = GemmMode::kDown;
-  g2.plan = plan;
-  g2.n = H;
-  g2.k = I;
-  g2.intermediate = I;
-  g2.a = b.a_pool, g2.a_rows = C, g2.a_cols = I;
-  g2.b = in.w2, g2.b_rows = s.num_experts * H, g2.b_cols = I;
+  GroupedGemmArgs g2 = pool_gemm(GemmMode::kDown, plan, s, C, b.a_pool, I, in.w2, E * H, I, H);
   g2.topk_weights = in.topk_weights;
   g2.out0 = b.slots;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, num_sms_, stream));
@@ -180,28 +181,14 @@ Status LayerWorkspace::backward(int64_t T, const LayerInputs& in, const void* dy
   const DevicePlan plan = device_plan(b.plan, T, s);
 
   if (policy == SavePolicy::kRecompute) {  // x_pool was gathered by the forward; z was not kept
-    GroupedGemmArgs g1;
-    g1.mode = GemmMode::kGateUp;
-    g1.plan = plan;
-    g1.n = I;
-    g1.k = H;
-    g1.intermediate = I;
-    g1.a = b.x_pool, g1.a_rows = C, g1.a_cols = H;
-    g1.b = in.w13, g1.b_rows = E * 2 * I, g1.b_cols = H;
+    GroupedGemmArgs g1 = pool_gemm(GemmMode::kGateUp, plan, s, C, b.x_pool, H, in.w13, E * 2 * I, H, I);
     g1.out0 = b.z_pool;
     MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, num_sms_, stream));
   }
   MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, b.plan.row_src, s.top_k, plan.pool_rows, C, b.dy_pool, stream));
 
   // ga = dy @ w2[e]; fused: d topk_w partials, dz, topk_w * a.
-  GroupedGemmArgs gd;
-  gd.mode = GemmMode::kDownGrad;
-  gd.plan = plan;
-  gd.n = I;
-  gd.k = H;
-  gd.intermediate = I;
-  gd.a = b.dy_pool, gd.a_rows = C, gd.a_cols = H;
-  gd.b = in.w2, gd.b_rows = E * H, gd.b_cols = I;
+  GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, plan, s, C, b.dy_pool, H, in.w2, E * H, I, I);
   gd.topk_weights = in.topk_weights;
   gd.z_pool = b.z_pool;
   gd.out0 = b.dz_pool;
@@ -212,14 +199,7 @@ Status LayerWorkspace::backward(int64_t T, const LayerInputs& in, const void* dy
                                                 T * s.top_k, b.plan.error_key, grads.d_topk_weights, stream));
 
   // dx slots = dz @ w13[e], then the fixed-order sum.
-  GroupedGemmArgs gx;
-  gx.mode = GemmMode::kGateUpGrad;
-  gx.plan = plan;
-  gx.n = H;
-  gx.k = 2 * I;
-  gx.intermediate = I;
-  gx.a = b.dz_pool, gx.a_rows = C, gx.a_cols = 2 * I;
-  gx.b = in.w13, gx.b_rows = E * 2 * I, gx.b_cols = H;
+  GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, plan, s, C, b.dz_pool, 2 * I, in.w13, E * 2 * I, H, H);
   gx.out0 = b.slots;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, num_sms_, stream));
   MEGAMOE_RETURN_IF_ERROR(
