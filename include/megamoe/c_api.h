@@ -48,6 +48,33 @@ int megamoe_backward(megamoe_workspace* ws, int64_t num_tokens, const void* x, c
                      const float* topk_weights, const void* w13, const void* w2, const void* dy, void* dx,
                      float* d_topk_weights, void* dw13, void* dw2, int32_t wgrad_dtype, void* stream);
 
+/* ---- Tensor-descriptor entry points (the Python package uses these) ----
+ * Any backend: CPU tensors run the CPU reference (bf16, or f64 = exact math),
+ * CUDA tensors the CUDA layer. dtype: 0 bf16, 1 f32, 2 f64, 3 int32 (as
+ * megamoe::DType); device: 0 cpu, 1 cuda. A config with backend 0 (cpu) or 2
+ * (auto) creates a handle without device memory; backend 1 (cuda) or 2 with a
+ * GPU present allocates the CUDA workspace. */
+typedef struct megamoe_tensor {
+  void* data;
+  int32_t dtype, device, device_index, rank;
+  int64_t shape[4];
+} megamoe_tensor;
+
+/* *epoch receives the number of this forward on the handle; pass it to the
+ * backward. */
+int megamoe_forward_t(megamoe_workspace* ws, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                      const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                      const megamoe_tensor* y, void* stream, uint64_t* epoch);
+
+/* Gradients for the forward numbered `epoch`. If a later forward has reused
+ * the handle since (e.g. a framework replaying ops out of order), the forward
+ * is first recomputed from the same inputs (into dx), so the result is always
+ * the gradient of these inputs. */
+int megamoe_backward_t(megamoe_workspace* ws, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                       const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                       const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
+                       const megamoe_tensor* dw13, const megamoe_tensor* dw2, void* stream, uint64_t epoch);
+
 /* Synchronises `stream` and reports routing errors the device found (an expert
  * id out of range, a token routed twice to one expert) in the last call. */
 int megamoe_check_device_errors(megamoe_workspace* ws, void* stream);

@@ -1,0 +1,86 @@
+"""ctypes binding of the C ABI (include/megamoe/c_api.h).
+
+Why ctypes over a TORCH_LIBRARY extension: the shared library is built once
+against no particular torch (no torch headers, no ABI tag), so one build works
+with any torch version the trainer brings; torch integration lives in Python
+(torch.library.custom_op), which is the stable surface across versions.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+DTYPE_CODES = {"bfloat16": 0, "float32": 1, "float64": 2, "int32": 3}
+PRECISIONS = {"bf16": 0, "fp8": 1, "fp8_bwd": 2, "mxfp8": 3}
+SAVE_POLICIES = {"keep": 0, "recompute": 1}
+BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
+
+
+class MegaMoEError(RuntimeError):
+    """An error reported by the megamoe core; the message names the argument."""
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32),
+        ("ep_rank", ctypes.c_int32), ("ep_size", ctypes.c_int32),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("precision", ctypes.c_int32), ("save_policy", ctypes.c_int32), ("backend", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+    ]
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
+        ("device_index", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * 4),
+    ]
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    out = []
+    if os.environ.get("MEGAMOE_LIBRARY"):
+        out.append(Path(os.environ["MEGAMOE_LIBRARY"]))
+    out.append(here / "libmegamoe_c.so")                      # installed wheel
+    out.append(here.parent.parent / "build" / "libmegamoe_c.so")  # source checkout
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    tried = []
+    for path in _candidates():
+        tried.append(str(path))
+        if path.exists():
+            lib = ctypes.CDLL(str(path))
+            break
+    else:
+        raise ImportError("megamoe: libmegamoe_c.so not found (tried " + ", ".join(tried) +
+                          "); install with `pip install .` or set MEGAMOE_LIBRARY")
+    P, T = ctypes.c_void_p, ctypes.POINTER(Tensor)
+    lib.megamoe_workspace_create.argtypes = [ctypes.POINTER(Config), ctypes.POINTER(P)]
+    lib.megamoe_workspace_destroy.argtypes = [P]
+    lib.megamoe_workspace_bytes.argtypes = [P]
+    lib.megamoe_workspace_bytes.restype = ctypes.c_size_t
+    lib.megamoe_forward_t.argtypes = [P, T, T, T, T, T, T, P, ctypes.POINTER(ctypes.c_uint64)]
+    lib.megamoe_backward_t.argtypes = [P] + [T] * 10 + [P, ctypes.c_uint64]
+    lib.megamoe_check_device_errors.argtypes = [P, P]
+    lib.megamoe_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+_LIB = None
+
+
+def lib() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        _LIB = _load()
+    return _LIB
+
+
+def check(code: int) -> None:
+    if code != 0:
+        raise MegaMoEError(lib().megamoe_last_error().decode())

@@ -1,0 +1,107 @@
+"""nn.Modules over the megamoe op, and the Hugging Face Qwen3-MoE drop-in."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import Workspace, moe
+
+
+class MegaMoEExperts(nn.Module):
+    """Experts with the Hugging Face (transformers v5) Qwen3-MoE layout and names:
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; so
+    checkpoints load unchanged. forward(hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
+                 save: str = "keep", max_tokens: int = 16384, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = num_experts, hidden, intermediate, top_k
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
+        self.precision, self.save, self.max_tokens = precision, save, max_tokens
+        self._workspace: Workspace | None = None
+        nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
+        nn.init.normal_(self.down_proj, std=intermediate ** -0.5)
+
+    def workspace(self, device: torch.device) -> Workspace:
+        # Created once per layer (outside any checkpointed recomputation's state).
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = Workspace(self.hidden_dim, self.intermediate_dim, self.num_experts, self.top_k,
+                                        max_tokens=self.max_tokens, precision=self.precision, save=self.save,
+                                        device=device)
+        return self._workspace
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """Experts forward for any module holding gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (megamoe's MegaMoEExperts or transformers' Qwen3MoeExperts)."""
+    ws = getattr(experts, "_megamoe_workspace", None)
+    if isinstance(experts, MegaMoEExperts):
+        ws = experts.workspace(hidden_states.device)
+    elif ws is None or ws.device != hidden_states.device:
+        E, two_i, H = experts.gate_up_proj.shape
+        cfg = getattr(experts, "_megamoe_config", {})
+        ws = Workspace(H, two_i // 2, E, top_k_index.shape[-1], device=hidden_states.device,
+                       max_tokens=cfg.get("max_tokens", max(1, hidden_states.shape[0])),
+                       precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"))
+        experts._megamoe_workspace = ws
+    return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, workspace=ws)
+
+
+class MoE(nn.Module):
+    """Router + experts with Qwen3-MoE semantics: softmax over experts, top-k,
+    optional renormalisation of the k weights."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
+                 precision: str = "bf16", save: str = "keep", max_tokens: int = 16384, device=None, dtype=None):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = MegaMoEExperts(num_experts, hidden, intermediate, top_k, precision=precision, save=save,
+                                      max_tokens=max_tokens, device=device, dtype=dtype)
+
+    def route(self, h: torch.Tensor):
+        probs = F.softmax(self.gate(h).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, index
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        h = hidden_states.reshape(-1, shape[-1])
+        weights, index = self.route(h)
+        return self.experts(h, index, weights).reshape(shape)
+
+
+def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep",
+                        max_tokens: int | None = None) -> int:
+    """Makes every Hugging Face MoE experts module of `model` (transformers v5
+    layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], e.g. Qwen3MoeExperts)
+    run on megamoe. Parameters, their names and layouts are untouched, so
+    checkpoints load and save as before. Returns the number of modules switched."""
+    count = 0
+    for module in model.modules():
+        gu, dp = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor) and gu.dim() == 3 and dp.dim() == 3):
+            continue
+        if isinstance(module, MegaMoEExperts):
+            continue
+        module._megamoe_config = {"precision": precision, "save": save, "max_tokens": max_tokens or 16384}
+        module.forward = _bound_forward(module)
+        count += 1
+    if count == 0:
+        raise ValueError("megamoe: no MoE experts module with 3D gate_up_proj/down_proj found (transformers >= 5 "
+                         "Qwen3-MoE layout expected; the per-expert ModuleList layout of transformers 4 is not supported)")
+    return count
+
+
+def _bound_forward(module):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return megamoe_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    return forward

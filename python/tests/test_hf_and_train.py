@@ -1,0 +1,110 @@
+"""The Hugging Face Qwen3-MoE drop-in and the trainer."""
+import pytest
+import torch
+
+import megamoe
+from megamoe import train
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_model(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, norm_topk_prob=True, decoder_sparse_step=1)
+    cfg._experts_implementation = "eager"
+    model = Qwen3MoeForCausalLM(cfg)
+    for p in model.parameters():  # transformers leaves expert weights uninitialised in some versions
+        if p.dim() == 3:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def loss_and_grads(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_swapped_experts_give_the_same_loss_and_gradients():
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    base = tiny_model()
+    loss_a, grads_a = loss_and_grads(base, ids)
+    swapped = tiny_model()
+    names_before = [n for n, _ in swapped.named_parameters()]
+    assert megamoe.use_megamoe_experts(swapped, max_tokens=32) == 2
+    assert [n for n, _ in swapped.named_parameters()] == names_before  # checkpoint names unchanged
+    loss_b, grads_b = loss_and_grads(swapped, ids)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    for n in grads_a:
+        torch.testing.assert_close(grads_b[n], grads_a[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_swap_refuses_a_model_without_moe_experts():
+    with pytest.raises(ValueError, match="no MoE experts module"):
+        megamoe.use_megamoe_experts(torch.nn.Linear(4, 4))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cfg.toml"
+    p.write_text(text)
+    return str(p)
+
+
+TINY = """
+[model]
+preset = "tiny"
+num_layers = 1
+[trainer]
+steps = 25
+batch_size = 4
+seq_len = 32
+lr = 3e-3
+device = "cpu"
+[trainer.model.moe.dispatch]
+type = "{dispatch}"
+precision = "{precision}"
+"""
+
+
+def test_tiny_trainer_loss_decreases(tmp_path):
+    cfg = train.load_config(write(tmp_path, TINY.format(dispatch="mega_moe", precision="bf16")))
+    history = train.train(cfg)
+    first = sum(h["loss"] for h in history[:3]) / 3
+    last = sum(h["loss"] for h in history[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+
+
+def test_mega_moe_and_eager_trainers_agree_on_the_first_steps(tmp_path):
+    runs = {}
+    for dispatch in ("mega_moe", "eager"):
+        cfg = train.load_config(write(tmp_path, TINY.format(dispatch=dispatch, precision="bf16")))
+        cfg.steps = 3
+        runs[dispatch] = [h["loss"] for h in train.train(cfg)]
+    for a, b in zip(runs["mega_moe"], runs["eager"]):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(b)), runs
+
+
+@pytest.mark.parametrize("dispatch,precision,device,message", [
+    ("magic", "bf16", "cpu", "dispatch.type = 'magic'"),
+    ("mega_moe", "fp16", "cpu", "dispatch.precision = 'fp16'"),
+    ("grouped_mm", "fp8", "cpu", "needs type = 'mega_moe'"),
+])
+def test_bad_trainer_options_fail_at_start_up(tmp_path, dispatch, precision, device, message):
+    text = TINY.format(dispatch=dispatch, precision=precision).replace('device = "cpu"', f'device = "{device}"')
+    with pytest.raises(train.ConfigError, match=message):
+        train.load_config(write(tmp_path, text))
+    assert train.main(["--config", write(tmp_path, text)]) == 2
+
+
+def test_cuda_only_options_are_named(tmp_path):
+    if torch.cuda.is_available():
+        text = TINY.format(dispatch="mega_moe", precision="mxfp8").replace('device = "cpu"', 'device = "cuda"')
+        with pytest.raises(train.ConfigError, match="mxfp8' needs Blackwell"):
+            train.load_config(write(tmp_path, text))
+    else:
+        text = TINY.format(dispatch="mega_moe", precision="bf16").replace('device = "cpu"', 'device = "cuda"')
+        with pytest.raises(train.ConfigError, match="trainer.device = 'cuda' but no CUDA device"):
+            train.load_config(write(tmp_path, text))
