@@ -38,14 +38,10 @@ def run(dispatch: str, args) -> dict:
         inputs, labels = next(it)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train.train_step(model, opt, inputs, labels)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss.detach().item())
+        losses.append(loss.item())
     timed = times[1:] if len(times) > 1 else times  # the first step loads kernels and allocates
     ms = statistics.median(timed)
     out = {"dispatch": dispatch, "step_ms": ms, "tokens_per_s": cfg.batch_size * cfg.seq_len / (ms / 1e3),

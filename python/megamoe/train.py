@@ -189,6 +189,16 @@ def batches(data: torch.Tensor, cfg: TrainConfig, device: torch.device):
         yield chunk[:, :-1].to(device), chunk[:, 1:].to(device)
 
 
+def train_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on next-byte prediction; returns the (detached) loss."""
+    logits = model(input_ids=inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def progress(step: int, total: int, loss: float, ms: float, tok_s: float) -> str:
     width = 24
     done = int(width * step / total)
@@ -211,12 +221,7 @@ def train(cfg: TrainConfig, out=sys.stdout) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().item()  # one sync per step, for the log
+        value = train_step(model, opt, inputs, labels).item()  # one sync per step, for the log
         ms = (time.perf_counter() - t0) * 1e3
         if not math.isfinite(value):
             raise RuntimeError(f"megamoe.train: loss became {value} at step {step}")

@@ -140,6 +140,24 @@ class GroupedGemm : public ::testing::Test {
   }
   double route_weight(int src) const { return data.topk_weights.get(src); }
 
+  // Slot row j*T + t of every real pool row r (routed from (t, j)) against ref[r] (times its weight).
+  void expect_slots_match(const Mat& slots, const std::vector<double>& ref, bool weighted) {
+    const auto got = slots.download();
+    std::vector<float> g_rows;
+    std::vector<double> r_rows;
+    for (int64_t r = 0; r < pool_rows; ++r) {
+      const int s = row_src[r];
+      if (s < 0) continue;
+      const int64_t slot = (s % k) * T + s / k;
+      for (int64_t h = 0; h < H; ++h) {
+        g_rows.push_back(got[slot * H + h]);
+        r_rows.push_back((weighted ? route_weight(s) : 1.0) * ref[r * H + h]);
+      }
+    }
+    EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
+    if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, H);
+  }
+
   const int64_t T = 300, H = 256, I = 128;
   const int E = 4, k = 2;
   int64_t C = 0, pool_rows = 0;
@@ -217,19 +235,7 @@ TEST_F(GroupedGemm, DownKMajorWeightsIntoSlots) {
   run(g);
   const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
-  const auto got = slots.download();
-  std::vector<float> g_rows;
-  std::vector<double> r_rows;
-  for (int64_t r = 0; r < pool_rows; ++r) {
-    const int s = row_src[r];
-    if (s < 0) continue;
-    const int64_t slot = (s % k) * T + s / k;
-    for (int64_t h = 0; h < H; ++h) {
-      g_rows.push_back(got[slot * H + h]);
-      r_rows.push_back(route_weight(s) * ref[r * H + h]);
-    }
-  }
-  EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
+  expect_slots_match(slots, ref, /*weighted=*/true);
 }
 
 TEST_F(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
@@ -245,20 +251,7 @@ TEST_F(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   run(g);
   const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
-  const auto got = slots.download();
-  std::vector<float> g_rows;
-  std::vector<double> r_rows;
-  for (int64_t r = 0; r < pool_rows; ++r) {
-    const int s = row_src[r];
-    if (s < 0) continue;
-    const int64_t slot = (s % k) * T + s / k;
-    for (int64_t h = 0; h < H; ++h) {
-      g_rows.push_back(got[slot * H + h]);
-      r_rows.push_back(ref[r * H + h]);
-    }
-  }
-  EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
-  if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, H);
+  expect_slots_match(slots, ref, /*weighted=*/false);
 }
 
 TEST_F(GroupedGemm, WeightGradMnMajorBothOperands) {
