@@ -42,7 +42,7 @@ struct TensorView {
   DType dtype = DType::kF32;
   DeviceType device = DeviceType::kCPU;
   int device_index = 0;
-  int rank = 0;
+  int rank = 0;  // -1: more than kMaxRank dims were given (rejected by every check)
   int64_t shape[kMaxRank] = {0, 0, 0, 0};
 
   int64_t numel() const;

@@ -17,15 +17,18 @@ torch.compile, and the usual case pays for no recomputation.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import threading
+import weakref
 
 import torch
 
 from . import _lib
 
-_HANDLES: dict[int, "Workspace"] = {}
+# Weak: a Workspace lives as long as its owner (a module, the cache below) keeps it.
+_HANDLES: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -36,6 +39,8 @@ class Workspace:
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, max_tokens: int,
                  precision: str = "bf16", save: str = "keep", device: torch.device | str = "cpu"):
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
             if value not in table:
                 raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
@@ -90,6 +95,20 @@ def _stream(t: torch.Tensor):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
+def _on_device(t: torch.Tensor):
+    # Kernels launch on the current device: make it the tensors' one.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _dense(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # The library reads row-major memory: views with other strides are copied.
+    return [t.contiguous() for t in tensors]
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _workspace(handle: int) -> Workspace:
     ws = _HANDLES.get(handle)
     if ws is None:
@@ -105,11 +124,13 @@ def _identity(*tensors: torch.Tensor) -> tuple:
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
             w2: torch.Tensor, handle: int) -> torch.Tensor:
     ws = _workspace(handle)
-    y = torch.empty_like(x)
+    x, topk_idx, topk_weights, w13, w2 = _dense(x, topk_idx, topk_weights, w13, w2)
+    y = _empty(x)
     epoch = ctypes.c_uint64()
     args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
-    _lib.check(_lib.lib().megamoe_forward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x),
-                                            ctypes.byref(epoch)))
+    with _on_device(x):
+        _lib.check(_lib.lib().megamoe_forward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x),
+                                                ctypes.byref(epoch)))
     ws._saved = (_identity(x, topk_idx, topk_weights, w13, w2), epoch.value)
     return y
 
@@ -124,14 +145,14 @@ def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
             w13: torch.Tensor, w2: torch.Tensor, handle: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ws = _workspace(handle)
-    dx = torch.empty_like(x)
-    dtw = torch.empty_like(topk_weights)
-    dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+    dy, x, topk_idx, topk_weights, w13, w2 = _dense(dy, x, topk_idx, topk_weights, w13, w2)
+    dx, dtw, dw13, dw2 = _empty(x), _empty(topk_weights), _empty(w13), _empty(w2)
     saved_identity, saved_epoch = getattr(ws, "_saved", (None, 0))
     # Epoch 0 never names a forward: the library then recomputes this one first.
     epoch = saved_epoch if saved_identity == _identity(x, topk_idx, topk_weights, w13, w2) else 0
     args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
-    _lib.check(_lib.lib().megamoe_backward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x), epoch))
+    with _on_device(x):
+        _lib.check(_lib.lib().megamoe_backward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x), epoch))
     return dx, dtw, dw13, dw2
 
 
@@ -158,10 +179,13 @@ _CACHE: dict[tuple, Workspace] = {}
 
 
 def _cached_workspace(x, w13, top_k, precision, save, max_tokens) -> Workspace:
+    # One workspace per (device, shape, precision), grown to the largest token
+    # count seen. Layers sharing it recompute their forward in the backward:
+    # give each layer its own Workspace (MoE and use_megamoe_experts do).
     E, two_i, H = w13.shape
-    key = (x.device, H, two_i // 2, E, top_k, precision, save, max_tokens)
+    key = (x.device, H, two_i // 2, E, top_k, precision, save)
     ws = _CACHE.get(key)
-    if ws is None:
+    if ws is None or ws.max_tokens < max_tokens:
         ws = _CACHE[key] = Workspace(H, two_i // 2, E, top_k, max_tokens=max_tokens, precision=precision, save=save,
                                      device=x.device)
     return ws
@@ -190,7 +214,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     # CPU float32 runs the reference's exact fp64 math; bf16 keeps the GPU's rounding.
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16
     wdtype = torch.float64 if compute == torch.float64 else torch.float32
-    y = moe_fwd(x.to(compute).contiguous(), topk_idx.to(torch.int32).contiguous(),
+    # int64 ids are clamped to [-2, E] before narrowing, so a huge id stays out of range (an error), never wraps.
+    E = w13.shape[0]
+    idx32 = (topk_idx.clamp(-2, E) if topk_idx.dtype == torch.int64 else topk_idx).to(torch.int32)
+    y = moe_fwd(x.to(compute).contiguous(), idx32.contiguous(),
                    topk_weights.to(wdtype).contiguous(), w13.to(compute).contiguous(), w2.to(compute).contiguous(),
                    workspace.id)
     return y.to(orig)

@@ -133,3 +133,28 @@ def test_cuda_forward_backward_capture_in_a_graph():
     assert torch.equal(y, eager_y)
     for a, b in zip(g, eager):
         assert torch.equal(a, b)
+
+
+def test_strided_inputs_and_huge_ids():
+    x, idx, w, w13, w2 = random_inputs()
+    xt = x.detach().t().contiguous().t()  # same values, column-major
+    y_ref = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
+    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
+    y = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), ws.id)
+    torch.testing.assert_close(y, y_ref)
+    assert y.is_contiguous()
+    huge = idx.long()
+    huge[0, 0] = 2 ** 32 + 1  # would wrap to 1 if narrowed blindly
+    with pytest.raises(megamoe.MegaMoEError, match=r"topk_idx\[0,0\] = 4 is out of range"):
+        megamoe.moe(x, huge, w, w13, w2)
+
+
+def test_workspaces_are_freed_with_their_owner():
+    import gc
+    from megamoe import ops
+    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
+    wid = ws.id
+    assert wid in ops._HANDLES
+    del ws
+    gc.collect()
+    assert wid not in ops._HANDLES

@@ -2,7 +2,9 @@
 // moe_backward; errors become codes plus a thread-local message.
 #include "megamoe/c_api.h"
 
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "megamoe/moe.h"
@@ -13,8 +15,9 @@ struct megamoe_workspace {
   int device = 0;
   std::unique_ptr<megamoe::MoeWorkspace> ws;  // null for a CPU-only handle
   megamoe::MoeSaved saved;
-  uint64_t forwards = 0;      // forwards run on this handle
-  uint64_t saved_epoch = 0;   // the forward `saved` belongs to
+  uint64_t forwards = 0;     // forwards run on this handle
+  uint64_t saved_epoch = 0;  // the forward `saved` belongs to
+  std::mutex mutex;          // calls on one handle are serialised (callers release the GIL)
 };
 
 namespace {
@@ -30,6 +33,19 @@ int fail(const Status& st) {
   return st.ok() ? 0 : static_cast<int>(st.code());
 }
 
+// No C++ exception may cross the C ABI: out-of-memory or a failed thread start
+// in the CPU reference becomes an error code like any other.
+template <typename Fn>
+int guarded(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return fail(megamoe::internal_error(std::string("unexpected exception: ") + e.what()));
+  } catch (...) {
+    return fail(megamoe::internal_error("unexpected exception"));
+  }
+}
+
 Status config_to_problem(const megamoe_config& c, megamoe::MoeProblem* p, megamoe::MoeOptions* o) {
   using namespace megamoe;
   p->hidden = c.hidden;
@@ -42,8 +58,10 @@ Status config_to_problem(const megamoe_config& c, megamoe::MoeProblem* p, megamo
   p->num_tokens = c.max_tokens_per_rank;
   static const Precision kPrecisions[] = {Precision::kBF16, Precision::kFP8, Precision::kFP8Bwd, Precision::kMXFP8};
   static const Backend kBackends[] = {Backend::kCPU, Backend::kCUDA, Backend::kAuto};
-  if (c.precision < 0 || c.precision > 3) return invalid_argument("precision: expected 0..3, got " + std::to_string(c.precision));
-  if (c.save_policy < 0 || c.save_policy > 1) return invalid_argument("save_policy: expected 0 (keep) or 1 (recompute)");
+  if (c.precision < 0 || c.precision > 3)
+    return invalid_argument("precision: expected 0..3, got " + std::to_string(c.precision));
+  if (c.save_policy < 0 || c.save_policy > 1)
+    return invalid_argument("save_policy: expected 0 (keep) or 1 (recompute)");
   if (c.backend < 0 || c.backend > 2) return invalid_argument("backend: expected 0 (cpu), 1 (cuda) or 2 (auto)");
   if (c.max_tokens_per_rank < 1) return invalid_argument("max_tokens_per_rank must be >= 1");
   o->precision = kPrecisions[c.precision];
@@ -77,16 +95,26 @@ Status prepare_call(megamoe_workspace* w, const TensorView& x, void* stream) {
   w->options.cuda_stream = stream;
   w->options.backend = megamoe::Backend::kAuto;
   if (x.device == megamoe::DeviceType::kCUDA && !w->ws)
-    return megamoe::invalid_argument("x: a CUDA tensor, but this handle has no CUDA workspace (create it with backend 1 "
-                                     "or 2 on a machine with a GPU)");
+    return megamoe::invalid_argument(
+        "x: a CUDA tensor, but this handle has no CUDA workspace (create it with backend 1 "
+        "or 2 on a machine with a GPU)");
   return Status::Ok();
 }
+
+int workspace_create(const megamoe_config* config, megamoe_workspace** out);
 
 }  // namespace
 
 extern "C" {
 
 int megamoe_workspace_create(const megamoe_config* config, megamoe_workspace** out) {
+  return guarded([&] { return workspace_create(config, out); });
+}
+
+}  // extern "C"
+
+namespace {
+int workspace_create(const megamoe_config* config, megamoe_workspace** out) {
   if (config == nullptr || out == nullptr) return fail(megamoe::invalid_argument("config and out must not be null"));
   auto w = std::make_unique<megamoe_workspace>();
   Status st = config_to_problem(*config, &w->problem, &w->options);
@@ -102,6 +130,9 @@ int megamoe_workspace_create(const megamoe_config* config, megamoe_workspace** o
   *out = w.release();
   return 0;
 }
+}  // namespace
+
+extern "C" {
 
 void megamoe_workspace_destroy(megamoe_workspace* ws) { delete ws; }
 
@@ -111,13 +142,16 @@ int megamoe_forward_t(megamoe_workspace* w, const megamoe_tensor* x, const megam
                       const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
                       const megamoe_tensor* y, void* stream, uint64_t* epoch) {
   if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
-  Status st = prepare_call(w, in.x, stream);
-  if (st.ok()) st = megamoe::moe_forward(w->problem, w->options, in, view_of(y), &w->saved, w->ws.get());
-  if (!st.ok()) return fail(st);
-  w->saved_epoch = ++w->forwards;
-  if (epoch != nullptr) *epoch = w->saved_epoch;
-  return 0;
+  return guarded([&] {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
+    Status st = prepare_call(w, in.x, stream);
+    if (st.ok()) st = megamoe::moe_forward(w->problem, w->options, in, view_of(y), &w->saved, w->ws.get());
+    if (!st.ok()) return fail(st);
+    w->saved_epoch = ++w->forwards;
+    if (epoch != nullptr) *epoch = w->saved_epoch;
+    return 0;
+  });
 }
 
 int megamoe_backward_t(megamoe_workspace* w, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
@@ -125,17 +159,20 @@ int megamoe_backward_t(megamoe_workspace* w, const megamoe_tensor* x, const mega
                        const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
                        const megamoe_tensor* dw13, const megamoe_tensor* dw2, void* stream, uint64_t epoch) {
   if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
-  Status st = prepare_call(w, in.x, stream);
-  if (st.ok() && (epoch != w->saved_epoch || !w->saved.valid())) {
-    // The handle's saved state belongs to another forward: recompute this one (dx is the scratch y).
-    st = megamoe::moe_forward(w->problem, w->options, in, view_of(dx), &w->saved, w->ws.get());
-    if (st.ok()) w->saved_epoch = ++w->forwards;
-  }
-  if (st.ok())
-    st = megamoe::moe_backward(w->problem, w->options, in, view_of(dy), w->saved,
-                               {view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)}, w->ws.get());
-  return fail(st);
+  return guarded([&] {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
+    Status st = prepare_call(w, in.x, stream);
+    if (st.ok() && (epoch != w->saved_epoch || !w->saved.valid())) {
+      // The handle's saved state belongs to another forward: recompute this one (dx is the scratch y).
+      st = megamoe::moe_forward(w->problem, w->options, in, view_of(dx), &w->saved, w->ws.get());
+      if (st.ok()) w->saved_epoch = ++w->forwards;
+    }
+    if (st.ok())
+      st = megamoe::moe_backward(w->problem, w->options, in, view_of(dy), w->saved,
+                                 {view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)}, w->ws.get());
+    return fail(st);
+  });
 }
 
 int megamoe_forward(megamoe_workspace* w, int64_t T, const void* x, const int32_t* topk_idx, const float* topk_weights,
@@ -150,11 +187,12 @@ int megamoe_forward(megamoe_workspace* w, int64_t T, const void* x, const int32_
   return megamoe_forward_t(w, &tx, &ti, &tw, &t13, &t2, &ty, stream, nullptr);
 }
 
-int megamoe_backward(megamoe_workspace* w, int64_t T, const void* x, const int32_t* topk_idx,
-                     const float* topk_weights, const void* w13, const void* w2, const void* dy, void* dx,
-                     float* d_topk_weights, void* dw13, void* dw2, int32_t wgrad_dtype, void* stream) {
+int megamoe_backward(megamoe_workspace* w, int64_t T, const void* x, const int32_t* topk_idx, const float* topk_weights,
+                     const void* w13, const void* w2, const void* dy, void* dx, float* d_topk_weights, void* dw13,
+                     void* dw2, int32_t wgrad_dtype, void* stream) {
   if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  if (wgrad_dtype != 0 && wgrad_dtype != 1) return fail(megamoe::invalid_argument("wgrad_dtype: expected 0 (bf16) or 1 (f32)"));
+  if (wgrad_dtype != 0 && wgrad_dtype != 1)
+    return fail(megamoe::invalid_argument("wgrad_dtype: expected 0 (bf16) or 1 (f32)"));
   const auto& p = w->problem;
   const int64_t H = p.hidden, I = p.intermediate, L = p.experts_per_rank(), k = p.top_k;
   const int d = w->device;
@@ -170,9 +208,12 @@ int megamoe_backward(megamoe_workspace* w, int64_t T, const void* x, const int32
 int megamoe_check_device_errors(megamoe_workspace* w, void* stream) {
   if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
   if (!w->ws) return 0;  // the CPU backend reports routing errors synchronously
-  megamoe::MoeOptions o = w->options;
-  o.cuda_stream = stream;
-  return fail(w->ws->check_device_errors(o));
+  return guarded([&] {
+    std::lock_guard<std::mutex> lock(w->mutex);
+    megamoe::MoeOptions o = w->options;
+    o.cuda_stream = stream;
+    return fail(w->ws->check_device_errors(o));
+  });
 }
 
 const char* megamoe_last_error(void) { return g_last_error.c_str(); }

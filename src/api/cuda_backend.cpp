@@ -51,6 +51,22 @@ Status check_aligned(const char* name, const TensorView& v) {
   return Status::Ok();
 }
 
+// Every tensor on the workspace's GPU, and that GPU current (kernels launch on the current device).
+Status check_same_device(std::initializer_list<std::pair<const char*, const TensorView*>> views,
+                         const cuda::LayerWorkspace& ws) {
+  for (const auto& [name, v] : views)
+    if (v->device_index != ws.device())
+      return invalid_argument(std::string(name) + ": on cuda:" + std::to_string(v->device_index) +
+                              ", but the workspace lives on cuda:" + std::to_string(ws.device()));
+  int current = -1;
+  cudaGetDevice(&current);
+  if (current != ws.device())
+    return invalid_argument("the current CUDA device is cuda:" + std::to_string(current) +
+                            ", the workspace lives on cuda:" + std::to_string(ws.device()) +
+                            " (make it current: cudaSetDevice / torch.cuda.device)");
+  return Status::Ok();
+}
+
 Status check_device_inputs(const MoeProblem& p, const MoeInputs& in, const cuda::LayerWorkspace& ws) {
   FloatMode mode;
   MEGAMOE_RETURN_IF_ERROR(check_inputs(p, in, DeviceType::kCUDA, &mode));
@@ -58,10 +74,9 @@ Status check_device_inputs(const MoeProblem& p, const MoeInputs& in, const cuda:
   if (in.x.shape[0] != p.num_tokens)
     return invalid_argument("x: expected " + std::to_string(p.num_tokens) + " tokens (problem.num_tokens), got " +
                             std::to_string(in.x.shape[0]));
-  for (const TensorView* v : {&in.x, &in.topk_idx, &in.topk_weights, &in.w13, &in.w2})
-    if (v->device_index != ws.device())
-      return invalid_argument("tensors must be on the workspace's device cuda:" + std::to_string(ws.device()) +
-                              ", got cuda:" + std::to_string(v->device_index));
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"x", &in.x}, {"topk_idx", &in.topk_idx},
+                                             {"topk_weights", &in.topk_weights}, {"w13", &in.w13}, {"w2", &in.w2}},
+                                            ws));
   MEGAMOE_RETURN_IF_ERROR(check_aligned("x", in.x));
   MEGAMOE_RETURN_IF_ERROR(check_aligned("w13", in.w13));
   MEGAMOE_RETURN_IF_ERROR(check_aligned("w2", in.w2));
@@ -120,6 +135,7 @@ Status cuda_forward(const MoeProblem& problem, const MoeOptions& options, const 
   MEGAMOE_RETURN_IF_ERROR(check_device_inputs(problem, inputs, *layer));
   MEGAMOE_RETURN_IF_ERROR(check_output("y", y, problem.num_tokens, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
   MEGAMOE_RETURN_IF_ERROR(check_aligned("y", y));
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"y", &y}}, *layer));
   if (problem.num_tokens > layer->shape().max_tokens)
     return capacity_error("num_tokens = " + std::to_string(problem.num_tokens) +
                           " exceeds the workspace's max_tokens_per_rank = " + std::to_string(layer->shape().max_tokens));
@@ -157,6 +173,9 @@ Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const
                                 {"dw13", &grads.dw13}, {"dw2", &grads.dw2}})
     MEGAMOE_RETURN_IF_ERROR(check_aligned(name, *v));
   if (grads.dw13.dtype != grads.dw2.dtype) return invalid_argument("dw13, dw2: must have the same dtype");
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"dy", &dy}, {"dx", &grads.dx}, {"d_topk_weights", &grads.d_topk_weights},
+                                             {"dw13", &grads.dw13}, {"dw2", &grads.dw2}},
+                                            *layer));
   cuda::LayerGrads g{grads.dx.data, static_cast<float*>(grads.d_topk_weights.data), grads.dw13.data, grads.dw2.data,
                      grads.dw13.dtype == DType::kF32, options.accumulate_weight_grads};
   return layer->backward(T, layer_inputs(inputs), dy.data, g, options.save_policy,

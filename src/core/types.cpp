@@ -1,6 +1,5 @@
 #include "megamoe/types.h"
 
-#include <sstream>
 
 namespace megamoe {
 
@@ -81,16 +80,18 @@ int dtype_size(DType v) {
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int i = 0; i < rank; ++i) n *= shape[i];
+  for (int i = 0; i < rank && i < kMaxRank; ++i) n *= shape[i];
   return n;
 }
 
+// std::to_string rather than iostreams: the library may share a process with
+// other C++ runtimes (a PyTorch interpreter), and locale/iostream state is the
+// usual casualty of such mixes.
 std::string TensorView::shape_string() const {
-  std::ostringstream os;
-  os << "[";
-  for (int i = 0; i < rank; ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
+  if (rank < 0 || rank > kMaxRank) return "[rank > " + std::to_string(kMaxRank) + "]";
+  std::string out = "[";
+  for (int i = 0; i < rank; ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
 }
 
 TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape, DeviceType device,
@@ -104,6 +105,7 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sha
     if (v.rank < TensorView::kMaxRank) v.shape[v.rank] = d;
     ++v.rank;
   }
+  if (v.rank > TensorView::kMaxRank) v.rank = -1;  // invalid: every shape check rejects it
   return v;
 }
 
