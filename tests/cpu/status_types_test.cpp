@@ -41,6 +41,13 @@ TEST(Types, ViewShapeAndSize) {
   EXPECT_EQ(dtype_size(DType::kFP8E4M3), 1);
 }
 
+TEST(Types, TooManyDimsMakeAnInvalidView) {
+  float buf[120];
+  const TensorView v = make_view(buf, DType::kF32, {1, 2, 3, 4, 5});
+  EXPECT_EQ(v.rank, -1);
+  EXPECT_EQ(v.shape_string(), "[rank > 4]");
+}
+
 TEST(Types, StatusText) {
   EXPECT_EQ(Status::Ok().to_string(), "OK");
   EXPECT_EQ(invalid_argument("x: bad").to_string(), "InvalidArgument: x: bad");
