@@ -120,6 +120,7 @@ def test_cuda_matches_cpu_reference_and_adds_no_host_sync():
 def test_cuda_forward_backward_capture_in_a_graph():
     gpu = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", drop=False)
     x, idx, w, w13, w2 = (t.detach() for t in gpu)
+    w = w.float()  # the raw op takes fp32 routing weights (megamoe.moe casts)
     ws = megamoe.Workspace(256, 128, 8, 2, max_tokens=256, device="cuda")
     dy = torch.randn_like(x)
     eager_y = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, ws.id)
@@ -133,6 +134,44 @@ def test_cuda_forward_backward_capture_in_a_graph():
     assert torch.equal(y, eager_y)
     for a, b in zip(g, eager):
         assert torch.equal(a, b)
+
+
+@cuda_only
+def test_cuda_autograd_step_captured_in_a_graph():
+    # What a trainer does with CUDA graphs: forward + autograd backward captured
+    # together (after the side-stream warm-up torch requires), replayed, and
+    # compared bitwise with the same step run eagerly.
+    x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16,
+                                       device="cuda", drop=False)
+    ws = megamoe.Workspace(256, 128, 8, 2, max_tokens=256, device="cuda")
+    dy = torch.randn(x.shape, device="cuda", dtype=x.dtype)
+    params = (x, w, w13, w2)
+
+    def step():
+        for t in params:
+            t.grad = None
+        megamoe.moe(x, idx, w, w13, w2, workspace=ws).backward(dy)
+
+    step()
+    eager = [t.grad.clone() for t in params]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in params:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        megamoe.moe(x, idx, w, w13, w2, workspace=ws).backward(dy)
+    for t in params:
+        t.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, ref in zip(params, eager):
+        assert torch.equal(t.grad, ref)
+    ws.check_device_errors()
 
 
 def test_strided_inputs_and_huge_ids():
