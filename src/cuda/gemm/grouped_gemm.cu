@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&full[s], (it / S) & 1);
       const uint8_t* sa = smem + s * kStageBytes;
       const uint8_t* sb = sa + kTileBytesA;
-      // The accumulators are touched only between wgmma.fence and the wait
-      // that retires the group: no copy of them can be made mid-flight.
+      // Between here and the wait<0> after the loop, nothing but wgmma touches
+      // the accumulators (the fences are compiler-only: no instruction).
       fence_accumulators(acc);
       wgmma_fence();
 #pragma unroll
@@ -362,10 +362,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc, da, db, 1);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(acc);
-      if (warp_leader) mbar_arrive(&empty[s]);  // this stage's operands are consumed
+      // Keep this k-block's group in flight while the next one is waited for
+      // and issued: retiring down to one pending group proves the previous
+      // k-block's group done, so its stage (not this one) goes back.
+      wgmma_wait<1>();
+      if (kb > 0 && warp_leader) mbar_arrive(&empty[(it + S - 1) % S]);
     }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&empty[(it + S - 1) % S]);
     epilogue<M>(p, tile, cw, acc, staging);
   }
 }
