@@ -29,8 +29,12 @@ struct ModeTraits {
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
   static constexpr bool kF32Staging = M == GemmMode::kWeightGrad;
   static constexpr int kStages = kF32Staging ? 4 : 5;
+  // kDownGrad: after its k-blocks each tile takes two more ring stages that
+  // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
+  static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
   static constexpr int kStagingBytes = kBlockM * (kBlockN + kStagePad) * (kF32Staging ? 4 : 2);
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8;
+  // Shared memory: [align pad][stages][staging][full, empty mbarriers][tile_src: 128 x int32]
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kBlockM * 4;
 };
 
 struct KernelParams {
@@ -107,6 +111,25 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
+// The z tile of a kDownGrad tile: stage 0 holds g (columns 128n..), stage 1
+// u (columns I + 128n..), each as four 64 x 64 boxes, box (row half rh,
+// column half ch) at byte (2 rh + ch) * 8 KB.
+__device__ __forceinline__ void load_z_stage(const KernelParams& p, const CUtensorMap* map_z, const Tile& tile,
+                                             int half, uint8_t* stage, uint64_t* full) {
+  const int col0 = (half == 0 ? 0 : static_cast<int>(p.args.intermediate)) + tile.n * kBlockN;
+  for (int box = 0; box < 4; ++box)
+    tma_load_2d(stage + box * kBoxBytes, map_z, full, col0 + (box & 1) * 64, tile.m * kBlockM + (box >> 1) * 64);
+}
+
+// Byte offset of element (row, col) of a 128 x 128 bf16 tile stored as four
+// 128B-swizzled 64 x 64 boxes (the layout above): within each 8-row atom,
+// 16-byte chunk j of row r sits at chunk j ^ (r % 8).
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
+  const int r = row & 63, c = col & 63;
+  const int box = (row >> 6) * 2 + (col >> 6);
+  return box * kBoxBytes + r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2));
+}
+
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
@@ -140,16 +163,32 @@ __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int 
 
 __device__ __forceinline__ void consumer_sync() { named_barrier(1, 256); }
 
+// Shared memory the epilogue works in.
+struct EpilogueSmem {
+  uint8_t* staging;   // [128][kStagingLd] bf16 (fp32 for kWeightGrad)
+  int32_t* tile_src;  // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
+  uint8_t* z[2];      // kDownGrad: the g and u stages (swizzled boxes), overwritten with dz
+};
+
 template <GemmMode M>
 __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile, int wg, float (&acc)[64],
-                                         uint8_t* staging_raw) {
+                                         const EpilogueSmem& sm) {
   const GroupedGemmArgs& a = p.args;
   const DevicePlan& plan = a.plan;
+  uint8_t* staging_raw = sm.staging;
   auto* staging = reinterpret_cast<__nv_bfloat16*>(staging_raw);
   const int64_t I = a.intermediate;
   const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+  const int tid = threadIdx.x - 128;  // 0..255 over the consumer warpgroups
+  // Slot-writing modes look up each row's source once (the load overlaps the
+  // barrier); the copy-out loop then reads shared memory, not a dependent
+  // global load per 16-byte store.
+  constexpr bool kSlots = M == GemmMode::kDown || M == GemmMode::kGateUpGrad;
+  int32_t my_src = 0;
+  if (kSlots && tid < kBlockM) my_src = plan.row_src[pool_row0 + tid];
 
-  consumer_sync();  // the previous tile's copy-out has finished reading the staging buffer
+  consumer_sync();  // the previous tile's copy-out has finished reading staging and tile_src
+  if (kSlots && tid < kBlockM) sm.tile_src[tid] = my_src;
 
   if constexpr (M == GemmMode::kGateUp) {
     // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
@@ -193,16 +232,18 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     consumer_sync();
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
     copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
-      const int src = plan.row_src[pool_row0 + r];
+      const int src = sm.tile_src[r];
       if (src < 0) return nullptr;
       const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
       return slots + slot_row * N + tile.n * kBlockN + cc * 8;
     });
   } else if constexpr (M == GemmMode::kDownGrad) {
-    // acc = ga for a-columns 128n + c. With (g, u) from the saved z:
+    // acc = ga for a-columns 128n + c. With (g, u) from the saved z (in the
+    // two z stages):
     //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
     //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand).
-    const auto* z = static_cast<const __nv_bfloat16*>(a.z_pool);
+    // One pass: wa goes to staging, dz_g / dz_u overwrite g / u in place (each
+    // element is read and written by the one thread that owns its accumulator).
     auto* dz = static_cast<__nv_bfloat16*>(a.out0);
     auto* wa = static_cast<__nv_bfloat16*>(a.out1);
     float w_row[2];
@@ -211,39 +252,36 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
       w_row[h] = src >= 0 ? a.topk_weights[src] : 0.0f;
     }
     float dw[2] = {0.0f, 0.0f};
-    for (int round = 0; round < 3; ++round) {
 #pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const int row = acc_row(wg, i), h = (i >> 1) & 1;
-        const int64_t col = static_cast<int64_t>(tile.n) * kBlockN + acc_col(i);
-        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(z + (pool_row0 + row) * 2 * I + col);
-        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(z + (pool_row0 + row) * 2 * I + I + col);
-        float out[2];
-        for (int e = 0; e < 2; ++e) {
-          const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
-          const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
-          const float ga = acc[i + e], w = w_row[h];
-          if (round == 0) {
-            const float av = round_bf16(silu * u);
-            dw[h] += ga * av;
-            out[e] = w * av;
-          } else if (round == 1) {
-            out[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
-          } else {
-            out[e] = (w * ga) * silu;
-          }
-        }
-        *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + acc_col(i)) =
-            __floats2bfloat162_rn(out[0], out[1]);
+    for (int i = 0; i < 64; i += 2) {
+      const int row = acc_row(wg, i), col = acc_col(i), h = (i >> 1) & 1;
+      const uint32_t off = swizzled_offset(row, col);
+      auto* g_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[0] + off);
+      auto* u_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[1] + off);
+      const __nv_bfloat162 g2 = *g_ptr, u2 = *u_ptr;
+      float out_wa[2], out_dg[2], out_du[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
+        const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
+        const float ga = acc[i + e], w = w_row[h];
+        const float av = round_bf16(silu * u);
+        dw[h] += ga * av;
+        out_wa[e] = w * av;
+        out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
+        out_du[e] = (w * ga) * silu;
       }
-      consumer_sync();
-      if (round == 0) {
-        copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return wa + (pool_row0 + r) * I + tile.n * kBlockN + cc * 8; });
-      } else {
-        const int64_t base = (round == 1 ? 0 : I) + static_cast<int64_t>(tile.n) * kBlockN;
-        copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return dz + (pool_row0 + r) * 2 * I + base + cc * 8; });
-      }
-      consumer_sync();
+      *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + col) = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+      *g_ptr = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+      *u_ptr = __floats2bfloat162_rn(out_du[0], out_du[1]);
+    }
+    consumer_sync();
+    copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return wa + (pool_row0 + r) * I + tile.n * kBlockN + cc * 8; });
+    // dz rows: 16-byte chunks straight from the swizzled boxes.
+    for (int c = tid; c < 2 * kBlockM * (kBlockN / 8); c += 256) {
+      const int half = c / (kBlockM * (kBlockN / 8)), r = (c / (kBlockN / 8)) % kBlockM, cc = c % (kBlockN / 8);
+      const uint4 v = *reinterpret_cast<const uint4*>(sm.z[half] + swizzled_offset(r, cc * 8));
+      *reinterpret_cast<uint4*>(dz + (pool_row0 + r) * 2 * I + half * I + tile.n * kBlockN + cc * 8) = v;
     }
     // Row sums over this thread's columns, then over the quad: fixed order.
     for (int h = 0; h < 2; ++h) {
@@ -258,7 +296,6 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     for (int i = 0; i < 64; i += 2)
       *reinterpret_cast<float2*>(st + acc_row(wg, i) * kStagingLd + acc_col(i)) = make_float2(acc[i], acc[i + 1]);
     consumer_sync();
-    const int tid = threadIdx.x - 128;
     const int64_t N = a.n;
     const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
                          static_cast<int64_t>(tile.n) * kBlockN;
@@ -287,7 +324,7 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
 template <GemmMode M>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ KernelParams p) {
+                        const __grid_constant__ CUtensorMap map_z, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
   constexpr int S = Tr::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -296,6 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging = smem + S * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::kStagingBytes);
   uint64_t* empty = full + S;
+  auto* tile_src = reinterpret_cast<int32_t*>(empty + S);
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -313,6 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
+      if constexpr (Tr::kZStages > 0) tma_prefetch_descriptor(&map_z);
       uint32_t it = 0;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at<M>(p, t);
@@ -322,6 +361,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive_expect_tx(&full[s], kStageBytes);
           uint8_t* stage = smem + s * kStageBytes;
           load_stage<M>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, &full[s]);
+        }
+        for (int half = 0; half < Tr::kZStages; ++half, ++it) {
+          const int s = static_cast<int>(it % S);
+          mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          mbar_arrive_expect_tx(&full[s], kStageBytes);
+          load_z_stage(p, &map_z, tile, half, smem + s * kStageBytes, &full[s]);
         }
       }
     }
@@ -371,18 +416,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_accumulators(acc);
     if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&empty[(it + S - 1) % S]);
-    epilogue<M>(p, tile, cw, acc, staging);
+    EpilogueSmem sm{staging, tile_src, {nullptr, nullptr}};
+    for (int half = 0; half < Tr::kZStages; ++half) {
+      const int s = static_cast<int>((it + half) % S);
+      mbar_wait(&full[s], ((it + half) / S) & 1);
+      sm.z[half] = smem + s * kStageBytes;
+    }
+    epilogue<M>(p, tile, cw, acc, sm);
+    if constexpr (Tr::kZStages > 0) {
+      consumer_sync();  // every consumer thread has finished reading the z stages
+      for (int half = 0; half < Tr::kZStages; ++half, ++it)
+        if (warp_leader) mbar_arrive(&empty[it % S]);
+    }
   }
 }
 
 template <GemmMode M>
-Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b,
+Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const KernelParams& params, int grid, cudaStream_t stream) {
   using Tr = ModeTraits<M>;
   cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Tr::kSmemBytes);
   if (err == cudaSuccess) {
-    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, params);
+    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, map_z, params);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) return internal_error(std::string("grouped GEMM launch: ") + cudaGetErrorString(err));
@@ -405,13 +461,16 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   CUtensorMap map_a, map_b;
   MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
   MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+  CUtensorMap map_z = map_a;  // read only by kDownGrad: the saved z pool [C, 2I]
+  if (args.mode == GemmMode::kDownGrad)
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * args.intermediate, &map_z));
   const int grid = num_sms;
   switch (args.mode) {
-    case GemmMode::kGateUp: return launch_mode<GemmMode::kGateUp>(map_a, map_b, p, grid, stream);
-    case GemmMode::kDown: return launch_mode<GemmMode::kDown>(map_a, map_b, p, grid, stream);
-    case GemmMode::kDownGrad: return launch_mode<GemmMode::kDownGrad>(map_a, map_b, p, grid, stream);
-    case GemmMode::kGateUpGrad: return launch_mode<GemmMode::kGateUpGrad>(map_a, map_b, p, grid, stream);
-    case GemmMode::kWeightGrad: return launch_mode<GemmMode::kWeightGrad>(map_a, map_b, p, grid, stream);
+    case GemmMode::kGateUp: return launch_mode<GemmMode::kGateUp>(map_a, map_b, map_z, p, grid, stream);
+    case GemmMode::kDown: return launch_mode<GemmMode::kDown>(map_a, map_b, map_z, p, grid, stream);
+    case GemmMode::kDownGrad: return launch_mode<GemmMode::kDownGrad>(map_a, map_b, map_z, p, grid, stream);
+    case GemmMode::kGateUpGrad: return launch_mode<GemmMode::kGateUpGrad>(map_a, map_b, map_z, p, grid, stream);
+    case GemmMode::kWeightGrad: return launch_mode<GemmMode::kWeightGrad>(map_a, map_b, map_z, p, grid, stream);
   }
   return internal_error("grouped GEMM: unknown mode");
 }
