@@ -1,6 +1,8 @@
 // The grouped GEMM engine: a persistent kernel with one producer warp issuing
 // TMA loads into a ring of shared-memory stages and two consumer warpgroups
-// issuing wgmma (64 rows each), followed by a fused epilogue staged through
+// that take the CTA's tiles in turn ("ping-pong"): while one runs a tile's
+// wgmma main loop the other runs the previous tile's fused epilogue, so the
+// tensor cores do not wait for epilogues. Epilogues stage bf16 output through
 // shared memory so that global stores are 16-byte, row-contiguous.
 #include <cuda_bf16.h>
 
@@ -16,6 +18,9 @@ namespace {
 using namespace ptx;
 
 constexpr int kThreads = 384;                  // warpgroup 0: producer; 1, 2: consumers
+// Registers per thread after the split (setmaxnreg): 40 x 128 + 232 x 256 fits
+// the 65536 of the SM; a consumer holds a 128 x 128 fp32 tile (128 per thread).
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kTileBytesA = kBlockM * kBlockK * 2;  // 16 KB: two 64-row (or 64-column) boxes
 constexpr int kTileBytesB = kBlockN * kBlockK * 2;  // 16 KB
 constexpr int kStageBytes = kTileBytesA + kTileBytesB;
@@ -27,14 +32,15 @@ struct ModeTraits {
   static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
-  static constexpr bool kF32Staging = M == GemmMode::kWeightGrad;
-  static constexpr int kStages = kF32Staging ? 4 : 5;
+  // kWeightGrad writes fp32 (or bf16) straight from registers: no staging.
+  static constexpr bool kStaged = M != GemmMode::kWeightGrad;
+  static constexpr int kStages = kStaged ? 4 : 6;
   // kDownGrad: after its k-blocks each tile takes two more ring stages that
   // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
   static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
-  static constexpr int kStagingBytes = kBlockM * (kBlockN + kStagePad) * (kF32Staging ? 4 : 2);
-  // Shared memory: [align pad][stages][staging][full, empty mbarriers][tile_src: 128 x int32]
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + kBlockM * 4;
+  static constexpr int kStagingBytes = kStaged ? kBlockM * (kBlockN + kStagePad) * 2 : 0;  // per consumer
+  // Shared memory: [align pad][stages][staging x 2][full, empty mbarriers][tile_src: 2 x 128 x int32]
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes + 2 * kStages * 8 + 2 * kBlockM * 4;
 };
 
 struct KernelParams {
@@ -133,10 +139,11 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Row of the tile held by accumulator element i of this thread, and its column.
-__device__ __forceinline__ int acc_row(int wg, int i) {
+// A consumer's tile is two wgmma accumulators, acc[h] for rows [64h, 64h + 64).
+// Row of the tile held by element i of acc[h] in this thread, and its column.
+__device__ __forceinline__ int acc_row(int h, int i) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  return wg * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+  return h * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
 }
 __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
 
@@ -144,42 +151,42 @@ constexpr int kStagingLd = kBlockN + kStagePad;
 
 // Accumulator elements i and i + 1 are adjacent columns of one row: stage them
 // as one bf16x2 word.
-__device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int wg, int i, float v0, float v1) {
-  *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(wg, i) * kStagingLd + acc_col(i)) = __floats2bfloat162_rn(v0, v1);
+__device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int h, int i, float v0, float v1) {
+  *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(h, i) * kStagingLd + acc_col(i)) = __floats2bfloat162_rn(v0, v1);
 }
 
-// Consumer threads (256) copy a staged [128][cols] bf16 tile to global rows.
-// dst_row(r) returns the destination row pointer (nullptr: skip the row).
+// The consumer warpgroup's 128 threads copy a staged [128][cols] bf16 tile to
+// global rows. dst_row(r, chunk) returns the destination (nullptr: skip).
 template <typename RowFn>
 __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int cols, RowFn dst_row) {
-  const int tid = threadIdx.x - 128;
+  const int tid = threadIdx.x & 127;
   const int chunks = cols / 8;
-  for (int c = tid; c < kBlockM * chunks; c += 256) {
+  for (int c = tid; c < kBlockM * chunks; c += 128) {
     const int r = c / chunks, cc = c % chunks;
     __nv_bfloat16* dst = dst_row(r, cc);
     if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
   }
 }
 
-__device__ __forceinline__ void consumer_sync() { named_barrier(1, 256); }
+// Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
 
-// Shared memory the epilogue works in.
+// Shared memory one consumer's epilogue works in.
 struct EpilogueSmem {
-  uint8_t* staging;   // [128][kStagingLd] bf16 (fp32 for kWeightGrad)
-  int32_t* tile_src;  // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
-  uint8_t* z[2];      // kDownGrad: the g and u stages (swizzled boxes), overwritten with dz
+  __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (not for kWeightGrad)
+  int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
+  uint8_t* z[2];           // kDownGrad: the g and u stages (swizzled boxes), overwritten with dz
 };
 
 template <GemmMode M>
-__device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile, int wg, float (&acc)[64],
+__device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                          const EpilogueSmem& sm) {
   const GroupedGemmArgs& a = p.args;
   const DevicePlan& plan = a.plan;
-  uint8_t* staging_raw = sm.staging;
-  auto* staging = reinterpret_cast<__nv_bfloat16*>(staging_raw);
+  __nv_bfloat16* staging = sm.staging;
   const int64_t I = a.intermediate;
   const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-  const int tid = threadIdx.x - 128;  // 0..255 over the consumer warpgroups
+  const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
   // Slot-writing modes look up each row's source once (the load overlaps the
   // barrier); the copy-out loop then reads shared memory, not a dependent
   // global load per 16-byte store.
@@ -194,40 +201,49 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
     auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
     auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
+    if (z_pool != nullptr) {
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) stage_pair(staging, wg, i, acc[i], acc[i + 1]);
-    consumer_sync();
-    if (z_pool != nullptr)
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) stage_pair(staging, h, i, acc[h][i], acc[h][i + 1]);
+      consumer_sync();
       copy_out_bf16(staging, kBlockN, [&](int r, int cc) {
         const int64_t col = cc < 8 ? tile.n * 64 + cc * 8 : I + tile.n * 64 + (cc - 8) * 8;
         return z_pool + (pool_row0 + r) * 2 * I + col;
       });
-    consumer_sync();
-    if (a_pool != nullptr) {
+      consumer_sync();
+    }
+    if (a_pool != nullptr) {  // null when the backward recomputes z only
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
-        const float g0 = round_bf16(acc[i]), u0 = round_bf16(acc[i + 32]);
-        const float g1 = round_bf16(acc[i + 1]), u1 = round_bf16(acc[i + 33]);
-        stage_pair(staging, wg, i, silu_f(g0) * u0, silu_f(g1) * u1);
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
+          const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
+          const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
+          stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
+        }
       consumer_sync();
       copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
     }
-  } else if constexpr (M == GemmMode::kDown || M == GemmMode::kGateUpGrad) {
+  } else if constexpr (kSlots) {
     // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
     const int k = plan.top_k;
     const int64_t T = plan.num_tokens, N = a.n;
-    float w_row[2] = {1.0f, 1.0f};
-    if constexpr (M == GemmMode::kDown) {
-      for (int h = 0; h < 2; ++h) {
-        const int src = plan.row_src[pool_row0 + acc_row(wg, 2 * h)];
-        w_row[h] = src >= 0 ? a.topk_weights[src] : 0.0f;
-      }
-    }
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const float w = w_row[(i >> 1) & 1];
-      stage_pair(staging, wg, i, w * acc[i], w * acc[i + 1]);
+    for (int h = 0; h < 2; ++h) {
+      float w_row[2] = {1.0f, 1.0f};
+      if constexpr (M == GemmMode::kDown) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+          w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const float w = w_row[(i >> 1) & 1];
+        stage_pair(staging, h, i, w * acc[h][i], w * acc[h][i + 1]);
+      }
     }
     consumer_sync();
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
@@ -246,78 +262,81 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     // element is read and written by the one thread that owns its accumulator).
     auto* dz = static_cast<__nv_bfloat16*>(a.out0);
     auto* wa = static_cast<__nv_bfloat16*>(a.out1);
-    float w_row[2];
+#pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int src = plan.row_src[pool_row0 + acc_row(wg, 2 * h)];
-      w_row[h] = src >= 0 ? a.topk_weights[src] : 0.0f;
-    }
-    float dw[2] = {0.0f, 0.0f};
+      float w_row[2];
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int row = acc_row(wg, i), col = acc_col(i), h = (i >> 1) & 1;
-      const uint32_t off = swizzled_offset(row, col);
-      auto* g_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[0] + off);
-      auto* u_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[1] + off);
-      const __nv_bfloat162 g2 = *g_ptr, u2 = *u_ptr;
-      float out_wa[2], out_dg[2], out_du[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
-        const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
-        const float ga = acc[i + e], w = w_row[h];
-        const float av = round_bf16(silu * u);
-        dw[h] += ga * av;
-        out_wa[e] = w * av;
-        out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
-        out_du[e] = (w * ga) * silu;
+      for (int q = 0; q < 2; ++q) {
+        const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+        w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
       }
-      *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + col) = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
-      *g_ptr = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
-      *u_ptr = __floats2bfloat162_rn(out_du[0], out_du[1]);
+      float dw[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int row = acc_row(h, i), col = acc_col(i), q = (i >> 1) & 1;
+        const uint32_t off = swizzled_offset(row, col);
+        auto* g_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[0] + off);
+        auto* u_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[1] + off);
+        const __nv_bfloat162 g2 = *g_ptr, u2 = *u_ptr;
+        float out_wa[2], out_dg[2], out_du[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
+          const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
+          const float ga = acc[h][i + e], w = w_row[q];
+          const float av = round_bf16(silu * u);
+          dw[q] += ga * av;
+          out_wa[e] = w * av;
+          out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
+          out_du[e] = (w * ga) * silu;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + col) =
+            __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+        *g_ptr = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+        *u_ptr = __floats2bfloat162_rn(out_du[0], out_du[1]);
+      }
+      // Row sums over this thread's columns, then over the quad: fixed order.
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 1);
+        dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
+        if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
+      }
     }
     consumer_sync();
     copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return wa + (pool_row0 + r) * I + tile.n * kBlockN + cc * 8; });
     // dz rows: 16-byte chunks straight from the swizzled boxes.
-    for (int c = tid; c < 2 * kBlockM * (kBlockN / 8); c += 256) {
-      const int half = c / (kBlockM * (kBlockN / 8)), r = (c / (kBlockN / 8)) % kBlockM, cc = c % (kBlockN / 8);
-      const uint4 v = *reinterpret_cast<const uint4*>(sm.z[half] + swizzled_offset(r, cc * 8));
-      *reinterpret_cast<uint4*>(dz + (pool_row0 + r) * 2 * I + half * I + tile.n * kBlockN + cc * 8) = v;
-    }
-    // Row sums over this thread's columns, then over the quad: fixed order.
-    for (int h = 0; h < 2; ++h) {
-      dw[h] += __shfl_xor_sync(0xFFFFFFFFu, dw[h], 1);
-      dw[h] += __shfl_xor_sync(0xFFFFFFFFu, dw[h], 2);
-      if ((threadIdx.x & 3) == 0)
-        a.dw_partial[(pool_row0 + acc_row(wg, 2 * h)) * p.n_tiles + tile.n] = dw[h];
-    }
-  } else {  // kWeightGrad: dW[e][128m + r][128n + c]
-    auto* st = reinterpret_cast<float*>(staging_raw);
 #pragma unroll
-    for (int i = 0; i < 64; i += 2)
-      *reinterpret_cast<float2*>(st + acc_row(wg, i) * kStagingLd + acc_col(i)) = make_float2(acc[i], acc[i + 1]);
-    consumer_sync();
+    for (int half = 0; half < 2; ++half) {
+      for (int c = tid; c < kBlockM * (kBlockN / 8); c += 128) {
+        const int r = c / (kBlockN / 8), cc = c % (kBlockN / 8);
+        const uint4 v = *reinterpret_cast<const uint4*>(sm.z[half] + swizzled_offset(r, cc * 8));
+        *reinterpret_cast<uint4*>(dz + (pool_row0 + r) * 2 * I + half * I + tile.n * kBlockN + cc * 8) = v;
+      }
+    }
+  } else {  // kWeightGrad: dW[e][128m + r][128n + c], straight from registers
+    // A quad's four threads hold 8 adjacent columns of a row: 32-byte (fp32)
+    // or 16-byte (bf16) contiguous pieces per row.
     const int64_t N = a.n;
     const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
                          static_cast<int64_t>(tile.n) * kBlockN;
-    for (int c = tid; c < kBlockM * (kBlockN / 4); c += 256) {
-      const int r = c / (kBlockN / 4), cc = c % (kBlockN / 4);
-      float4 v = *reinterpret_cast<const float4*>(st + r * kStagingLd + cc * 4);
-      const int64_t off = base + r * N + cc * 4;
-      if (a.out_f32) {
-        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out0) + off);
-        if (a.accumulate) {
-          const float4 old = *dst;
-          v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int64_t off = base + static_cast<int64_t>(acc_row(h, i)) * N + acc_col(i);
+        float2 v = make_float2(acc[h][i], acc[h][i + 1]);
+        if (a.out_f32) {
+          auto* dst = reinterpret_cast<float2*>(static_cast<float*>(a.out0) + off);
+          if (a.accumulate) {
+            const float2 old = *dst;
+            v.x += old.x, v.y += old.y;
+          }
+          *dst = v;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out0) + off) = __floats2bfloat162_rn(v.x, v.y);
         }
-        *dst = v;
-      } else {
-        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<uint32_t*>(&lo);
-        packed.y = *reinterpret_cast<uint32_t*>(&hi);
-        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out0) + off) = packed;
       }
-    }
   }
 }
 
@@ -330,16 +349,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* staging = smem + S * kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Tr::kStagingBytes);
+  uint8_t* staging_base = smem + S * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging_base + 2 * Tr::kStagingBytes);
   uint64_t* empty = full + S;
-  auto* tile_src = reinterpret_cast<int32_t*>(empty + S);
+  auto* tile_src_base = reinterpret_cast<int32_t*>(empty + S);
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // one arrival per consumer warp
+      mbar_init(&empty[s], 4);  // one arrival per warp of the consumer that owns the stage's tile
     }
     fence_barrier_init();
   }
@@ -347,7 +366,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles = num_tiles<M>(p);
   if (wg == 0) {
-    // Producer: one thread issues all TMA loads.
+    setmaxnreg_dec<kProducerRegs>();
+    // Producer: one thread issues all TMA loads, tile after tile, in the order
+    // the consumers take them.
     if (threadIdx.x == 0) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
@@ -373,15 +394,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // Consumers: warpgroup 1 computes tile rows [0, 64), warpgroup 2 rows [64, 128).
+  // Consumers: warpgroup wg takes the CTA's tiles j with j % 2 == wg - 1 and
+  // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). Both walk
+  // every tile to keep the shared stage counter `it` in step with the producer.
+  setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
+  const EpilogueSmem sm_base{reinterpret_cast<__nv_bfloat16*>(staging_base + cw * Tr::kStagingBytes),
+                             tile_src_base + cw * kBlockM, {nullptr, nullptr}};
   uint32_t it = 0;
-  float acc[64];
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+  float acc[2][64];
+  int j = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++j) {
     const Tile tile = tile_at<M>(p, t);
+    if ((j & 1) != cw) {
+      it += tile.k_blocks + Tr::kZStages;
+      continue;
+    }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
       const int s = static_cast<int>(it % S);
       mbar_wait(&full[s], (it / S) & 1);
@@ -389,22 +422,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint8_t* sb = sa + kTileBytesA;
       // Between here and the wait<0> after the loop, nothing but wgmma touches
       // the accumulators (the fences are compiler-only: no instruction).
-      fence_accumulators(acc);
+      fence_accumulators(acc[0]);
+      fence_accumulators(acc[1]);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        uint64_t da, db;
-        if constexpr (Tr::kAMnMajor) {
-          da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-        } else {
-          da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
-        }
+        uint64_t db;
         if constexpr (Tr::kBMnMajor) {
           db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
         } else {
           db = smem_desc_sw128(sb + kk * 32, 0, 1024);
         }
-        wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc, da, db, 1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // A box h holds tile rows [64h, 64h + 64)
+          uint64_t da;
+          if constexpr (Tr::kAMnMajor) {
+            da = smem_desc_sw128(sa + h * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+          } else {
+            da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
+          }
+          wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc[h], da, db, 1);
+        }
       }
       wgmma_commit();
       // Keep this k-block's group in flight while the next one is waited for
@@ -414,22 +452,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kb > 0 && warp_leader) mbar_arrive(&empty[(it + S - 1) % S]);
     }
     wgmma_wait<0>();
-    fence_accumulators(acc);
+    fence_accumulators(acc[0]);
+    fence_accumulators(acc[1]);
     if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&empty[(it + S - 1) % S]);
-    EpilogueSmem sm{staging, tile_src, {nullptr, nullptr}};
+    EpilogueSmem sm = sm_base;
+#pragma unroll
     for (int half = 0; half < Tr::kZStages; ++half) {
       const int s = static_cast<int>((it + half) % S);
       mbar_wait(&full[s], ((it + half) / S) & 1);
       sm.z[half] = smem + s * kStageBytes;
     }
-    epilogue<M>(p, tile, cw, acc, sm);
+    epilogue<M>(p, tile, acc, sm);
     if constexpr (Tr::kZStages > 0) {
-      consumer_sync();  // every consumer thread has finished reading the z stages
+      consumer_sync();  // every thread of this consumer has finished reading the z stages
       for (int half = 0; half < Tr::kZStages; ++half, ++it)
         if (warp_leader) mbar_arrive(&empty[it % S]);
     }
   }
 }
+
 
 template <GemmMode M>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
