@@ -39,8 +39,9 @@ struct ModeTraits {
   // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
   static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
   static constexpr int kStagingBytes = kStaged ? kBlockM * (kBlockN + kStagePad) * 2 : 0;  // per consumer
-  // Shared memory: [align pad][stages][staging x 2][full, empty mbarriers][tile_src: 2 x 128 x int32]
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes + 2 * kStages * 8 + 2 * kBlockM * 4;
+  // Shared memory: [align pad][stages][staging x 2][full, empty, order mbarriers][tile_src: 2 x 128 x int32]
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + 2 * kStagingBytes + (2 * kStages + 2) * 8 + 2 * kBlockM * 4;
 };
 
 struct KernelParams {
@@ -352,7 +353,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging_base = smem + S * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging_base + 2 * Tr::kStagingBytes);
   uint64_t* empty = full + S;
-  auto* tile_src_base = reinterpret_cast<int32_t*>(empty + S);
+  uint64_t* order = empty + S;  // order[c]: the other consumer has finished waiting for its tile's stages
+  auto* tile_src_base = reinterpret_cast<int32_t*>(order + 2);
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -360,6 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 4);  // one arrival per warp of the consumer that owns the stage's tile
     }
+    mbar_init(&order[0], 1);
+    mbar_init(&order[1], 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -397,6 +401,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consumers: warpgroup wg takes the CTA's tiles j with j % 2 == wg - 1 and
   // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). Both walk
   // every tile to keep the shared stage counter `it` in step with the producer.
+  //
+  // Main loops run in tile order, one consumer at a time (order barriers):
+  // a consumer starts waiting for its tile's stages only after the other has
+  // waited for all stages of the previous tile. Without that it could poll a
+  // stage whose previous use (it - S) has not completed yet, and a parity wait
+  // cannot tell those two phases apart (it would read the old contents).
   setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -404,13 +414,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                              tile_src_base + cw * kBlockM, {nullptr, nullptr}};
   uint32_t it = 0;
   float acc[2][64];
-  int j = 0;
+  int j = 0, mine = 0;  // mine: tiles this consumer has taken
   for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++j) {
     const Tile tile = tile_at<M>(p, t);
     if ((j & 1) != cw) {
       it += tile.k_blocks + Tr::kZStages;
       continue;
     }
+    // Consumer 0's n-th tile follows consumer 1's (n-1)-th: phase n - 1 of
+    // order[0]; consumer 1's n-th follows consumer 0's n-th: phase n of order[1].
+    if (cw == 1 || mine > 0) mbar_wait(&order[cw], static_cast<uint32_t>(cw == 0 ? mine - 1 : mine) & 1);
+    ++mine;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -462,6 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&full[s], ((it + half) / S) & 1);
       sm.z[half] = smem + s * kStageBytes;
     }
+    if ((threadIdx.x & 127) == 0) mbar_arrive(&order[cw ^ 1]);  // the other consumer may start its main loop
     epilogue<M>(p, tile, acc, sm);
     if constexpr (Tr::kZStages > 0) {
       consumer_sync();  // every thread of this consumer has finished reading the z stages
