@@ -32,8 +32,8 @@ struct ModeTraits {
   static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
-  // kWeightGrad writes fp32 (or bf16) straight from registers: no staging.
-  static constexpr bool kStaged = M != GemmMode::kWeightGrad;
+  // kWeightGrad and kDownGrad write straight from registers: no staging.
+  static constexpr bool kStaged = M != GemmMode::kWeightGrad && M != GemmMode::kDownGrad;
   static constexpr int kStages = kStaged ? 4 : 6;
   // kDownGrad: after its k-blocks each tile takes two more ring stages that
   // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
@@ -174,9 +174,10 @@ __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7
 
 // Shared memory one consumer's epilogue works in.
 struct EpilogueSmem {
-  __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (not for kWeightGrad)
+  __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (none for kWeightGrad, kDownGrad)
   int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
-  uint8_t* z[2];           // kDownGrad: the g and u stages (swizzled boxes), overwritten with dz
+  const uint8_t* z[2];     // kDownGrad: the g and u stages (swizzled boxes)
+  uint64_t* z_empty[2];    // kDownGrad: their empty barriers (released once read)
 };
 
 template <GemmMode M>
@@ -259,8 +260,9 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
     // two z stages):
     //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
     //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand).
-    // One pass: wa goes to staging, dz_g / dz_u overwrite g / u in place (each
-    // element is read and written by the one thread that owns its accumulator).
+    // Outputs go straight from registers (a quad writes 16 contiguous bytes
+    // of a row), so the z stages return to the producer as soon as they are
+    // read and the other consumer's main loop keeps its pipeline depth.
     auto* dz = static_cast<__nv_bfloat16*>(a.out0);
     auto* wa = static_cast<__nv_bfloat16*>(a.out1);
 #pragma unroll
@@ -276,9 +278,8 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
       for (int i = 0; i < 64; i += 2) {
         const int row = acc_row(h, i), col = acc_col(i), q = (i >> 1) & 1;
         const uint32_t off = swizzled_offset(row, col);
-        auto* g_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[0] + off);
-        auto* u_ptr = reinterpret_cast<__nv_bfloat162*>(sm.z[1] + off);
-        const __nv_bfloat162 g2 = *g_ptr, u2 = *u_ptr;
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[0] + off);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[1] + off);
         float out_wa[2], out_dg[2], out_du[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -291,10 +292,10 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
           out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
           out_du[e] = (w * ga) * silu;
         }
-        *reinterpret_cast<__nv_bfloat162*>(staging + row * kStagingLd + col) =
-            __floats2bfloat162_rn(out_wa[0], out_wa[1]);
-        *g_ptr = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
-        *u_ptr = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        const int64_t prow = pool_row0 + row, c = static_cast<int64_t>(tile.n) * kBlockN + col;
+        *reinterpret_cast<__nv_bfloat162*>(wa + prow * I + c) = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + c) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + I + c) = __floats2bfloat162_rn(out_du[0], out_du[1]);
       }
       // Row sums over this thread's columns, then over the quad: fixed order.
 #pragma unroll
@@ -304,16 +305,10 @@ __device__ __forceinline__ void epilogue(const KernelParams& p, const Tile& tile
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
     }
-    consumer_sync();
-    copy_out_bf16(staging, kBlockN, [&](int r, int cc) { return wa + (pool_row0 + r) * I + tile.n * kBlockN + cc * 8; });
-    // dz rows: 16-byte chunks straight from the swizzled boxes.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      for (int c = tid; c < kBlockM * (kBlockN / 8); c += 128) {
-        const int r = c / (kBlockN / 8), cc = c % (kBlockN / 8);
-        const uint4 v = *reinterpret_cast<const uint4*>(sm.z[half] + swizzled_offset(r, cc * 8));
-        *reinterpret_cast<uint4*>(dz + (pool_row0 + r) * 2 * I + half * I + tile.n * kBlockN + cc * 8) = v;
-      }
+    __syncwarp();  // every lane of this warp has read its z elements
+    if ((threadIdx.x & 31) == 0) {
+      mbar_arrive(sm.z_empty[0]);
+      mbar_arrive(sm.z_empty[1]);
     }
   } else {  // kWeightGrad: dW[e][128m + r][128n + c], straight from registers
     // A quad's four threads hold 8 adjacent columns of a row: 32-byte (fp32)
@@ -411,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const EpilogueSmem sm_base{reinterpret_cast<__nv_bfloat16*>(staging_base + cw * Tr::kStagingBytes),
-                             tile_src_base + cw * kBlockM, {nullptr, nullptr}};
+                             tile_src_base + cw * kBlockM, {nullptr, nullptr}, {nullptr, nullptr}};
   uint32_t it = 0;
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
@@ -475,14 +470,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = static_cast<int>((it + half) % S);
       mbar_wait(&full[s], ((it + half) / S) & 1);
       sm.z[half] = smem + s * kStageBytes;
+      sm.z_empty[half] = &empty[s];  // the epilogue releases the stage once it has read it
     }
     if ((threadIdx.x & 127) == 0) mbar_arrive(&order[cw ^ 1]);  // the other consumer may start its main loop
     epilogue<M>(p, tile, acc, sm);
-    if constexpr (Tr::kZStages > 0) {
-      consumer_sync();  // every thread of this consumer has finished reading the z stages
-      for (int half = 0; half < Tr::kZStages; ++half, ++it)
-        if (warp_leader) mbar_arrive(&empty[it % S]);
-    }
+    it += Tr::kZStages;
   }
 }
 
