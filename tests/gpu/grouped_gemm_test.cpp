@@ -67,7 +67,11 @@ double rel_err(const std::vector<float>& got, const std::vector<double>& ref) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-class GroupedGemm : public ::testing::Test {
+// Parameter: the grid (0 = one CTA per SM, as the layer launches it). Small
+// grids make every CTA walk many tiles, so the two consumers alternate and
+// skip each other's stages: the ping-pong ordering is exercised even at
+// these small shapes. Outputs must not depend on the grid.
+class GroupedGemm : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
@@ -114,7 +118,7 @@ class GroupedGemm : public ::testing::Test {
     ASSERT_GT(pool_rows, 0);
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    sms = prop.multiProcessorCount;
+    sms = GetParam() == 0 ? prop.multiProcessorCount : GetParam();
   }
 
   static int64_t align_rows(int64_t r) { return (r + 127) / 128 * 128; }
@@ -186,7 +190,7 @@ std::vector<double> pool_gemm(const Mat& a, int64_t K, int64_t N, const std::vec
   return c;
 }
 
-TEST_F(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
+TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
   Mat x, w13, z, a;
   random_pool(x, H, 1);
   random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
@@ -221,7 +225,7 @@ TEST_F(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
   EXPECT_EQ(z2g, zg);
 }
 
-TEST_F(GroupedGemm, DownKMajorWeightsIntoSlots) {
+TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
   Mat a, w2, slots;
   random_pool(a, I, 3);
   random_mat(w2, E * H, I, 1.0 / 11, 4);
@@ -238,7 +242,7 @@ TEST_F(GroupedGemm, DownKMajorWeightsIntoSlots) {
   expect_slots_match(slots, ref, /*weighted=*/true);
 }
 
-TEST_F(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
+TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   Mat dz, w13, slots;
   random_pool(dz, 2 * I, 5);
   random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
@@ -254,7 +258,7 @@ TEST_F(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   expect_slots_match(slots, ref, /*weighted=*/false);
 }
 
-TEST_F(GroupedGemm, WeightGradMnMajorBothOperands) {
+TEST_P(GroupedGemm, WeightGradMnMajorBothOperands) {
   Mat pa, pb;
   random_pool(pa, H, 7);
   random_pool(pb, I, 8);
@@ -280,6 +284,11 @@ TEST_F(GroupedGemm, WeightGradMnMajorBothOperands) {
       }
   EXPECT_LT(rel_err(gv, rv), 1e-4);
 }
+
+INSTANTIATE_TEST_SUITE_P(Grids, GroupedGemm, ::testing::Values(0, 1, 3),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return i.param == 0 ? std::string("one_cta_per_sm") : "ctas_" + std::to_string(i.param);
+                         });
 
 }  // namespace
 }  // namespace megamoe::testing
