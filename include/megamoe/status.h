@@ -14,6 +14,7 @@ enum class StatusCode {
   kUnimplemented,    // a valid request this build or device cannot serve
   kUnavailable,      // a resource is missing (no GPU, peer never arrived)
   kInternal,         // a bug or a failed CUDA call
+  kTimeout,          // a device spin-wait gave up (a peer or pipeline stage never arrived)
 };
 
 const char* status_code_name(StatusCode code);
@@ -46,6 +47,9 @@ inline Status unimplemented(std::string msg) {
 }
 inline Status unavailable(std::string msg) {
   return Status(StatusCode::kUnavailable, std::move(msg));
+}
+inline Status timeout_error(std::string msg) {
+  return Status(StatusCode::kTimeout, std::move(msg));
 }
 inline Status internal_error(std::string msg) {
   return Status(StatusCode::kInternal, std::move(msg));

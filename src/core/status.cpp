@@ -10,6 +10,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kUnimplemented: return "Unimplemented";
     case StatusCode::kUnavailable: return "Unavailable";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kTimeout: return "Timeout";
   }
   return "Unknown";
 }
