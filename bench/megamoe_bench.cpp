@@ -66,9 +66,10 @@ int main(int argc, char** argv) {
 
   size_t free0 = 0, total = 0;
   cudaMemGetInfo(&free0, &total);
-  std::unique_ptr<MoeWorkspace> ws;
-  st = MoeWorkspace::create(p, o, 0, &ws);
+  testing::DeviceBuffers buffers;
+  st = testing::make_device_buffers(p, o, true, 0, &buffers);
   if (!st.ok()) return fail(st);
+  const MoeBuffers b = buffers.view();
   testing::DeviceLayer sets[2];
   for (int s = 0; s < 2; ++s) {
     testing::LayerSpec spec;
@@ -84,22 +85,22 @@ int main(int argc, char** argv) {
   MoeSaved saved;
   auto fwd = [&] {
     testing::DeviceLayer& d = sets[cur];
-    if (st.ok()) st = moe_forward(p, o, d.inputs(), d.y.view(), &saved, ws.get());
+    if (st.ok()) st = moe_forward(p, o, d.inputs(), d.y.view(), &saved, &b);
   };
   auto bwd = [&] {
     testing::DeviceLayer& d = sets[cur];
-    if (st.ok()) st = moe_backward(p, o, d.inputs(), d.dy.view(), saved, d.grads(), ws.get());
+    if (st.ok()) st = moe_backward(p, o, d.inputs(), d.dy.view(), saved, d.grads(), &b);
   };
   auto rotate = [&] { cur ^= 1; };
   const double fwd_ms = testing::median_ms([&] { rotate(), fwd(); }, warmup, iters, nullptr);
   const double bwd_ms = testing::median_ms(bwd, warmup, iters, nullptr, [&] { rotate(), fwd(); });
   const double both_ms = testing::median_ms([&] { rotate(), fwd(), bwd(); }, warmup, iters, nullptr);
-  if (st.ok()) st = ws->check_device_errors(o);
+  if (st.ok()) st = check_device_errors(0, o.cuda_stream);
   if (!st.ok()) return fail(st);
 
   const double ff = forward_flops(p), bf = backward_flops(p, o.save_policy);
   const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
-  const double ws_gib = static_cast<double>(ws->size_bytes()) / (1 << 30);
+  const double ws_gib = static_cast<double>(b.scratch_bytes + b.saved_bytes) / (1 << 30);
   const double io_gib = static_cast<double>(free0 - free1) / (1 << 30) / 2 - ws_gib / 2;  // one input/output set
   std::printf("megamoe-bench: %s, %lld tokens, save %s, wgrad %s (medians of %d after %d warm-ups)\n", shape->name,
               static_cast<long long>(p.num_tokens), to_string(o.save_policy), to_string(wgrad), iters, warmup);
@@ -107,16 +108,16 @@ int main(int argc, char** argv) {
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "forward", fwd_ms, tf_f, 100 * tf_f / kPeakTflops);
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "backward", bwd_ms, tf_b, 100 * tf_b / kPeakTflops);
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "fwd+bwd", both_ms, tf_fb, 100 * tf_fb / kPeakTflops);
-  std::printf("device memory: workspace %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB\n", ws_gib, io_gib);
+  std::printf("device memory: scratch + saved %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB\n", ws_gib, io_gib);
   if (!opt["json"].empty()) {
     FILE* f = std::fopen(opt["json"].c_str(), "w");
     if (f != nullptr) {
       std::fprintf(f,
                    "{\"preset\": \"%s\", \"tokens\": %lld, \"save\": \"%s\", \"forward_ms\": %.4f, "
                    "\"backward_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"forward_tflops\": %.2f, \"backward_tflops\": %.2f, "
-                   "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"workspace_bytes\": %zu}\n",
+                   "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"scratch_bytes\": %zu, \"saved_bytes\": %zu}\n",
                    shape->name, static_cast<long long>(p.num_tokens), to_string(o.save_policy), fwd_ms, bwd_ms,
-                   both_ms, tf_f, tf_b, tf_fb, kPeakTflops, ws->size_bytes());
+                   both_ms, tf_f, tf_b, tf_fb, kPeakTflops, b.scratch_bytes, b.saved_bytes);
       std::fclose(f);
     }
   }

@@ -74,25 +74,27 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 Status run_cuda(const MoeProblem& problem, const MoeOptions& options, const testing::LayerData& data,
                 testing::LayerOutputs* out, double* fwd_ms, double* bwd_ms) {
 #ifdef MEGAMOE_WITH_CUDA
-  std::unique_ptr<MoeWorkspace> ws;
-  MEGAMOE_RETURN_IF_ERROR(MoeWorkspace::create(problem, options, 0, &ws));
-  std::printf("workspace: %.1f MiB for max %lld tokens\n", static_cast<double>(ws->size_bytes()) / (1 << 20),
-              static_cast<long long>(ws->max_tokens()));
+  testing::DeviceBuffers buffers;
+  MEGAMOE_RETURN_IF_ERROR(testing::make_device_buffers(problem, options, true, 0, &buffers));
+  const MoeBuffers b = buffers.view();
+  std::printf("device buffers: scratch %.1f MiB, saved %.1f MiB for %lld tokens\n",
+              static_cast<double>(b.scratch_bytes) / (1 << 20), static_cast<double>(b.saved_bytes) / (1 << 20),
+              static_cast<long long>(problem.num_tokens));
   testing::DeviceLayer d;
   MEGAMOE_RETURN_IF_ERROR(testing::make_device_layer(problem, data, DType::kF32, 0, &d));
   MEGAMOE_RETURN_IF_ERROR(testing::poison_outputs(d, nullptr));
   MoeSaved saved;
   Status st;
   auto fwd = [&] {
-    if (st.ok()) st = moe_forward(problem, options, d.inputs(), d.y.view(), &saved, ws.get());
+    if (st.ok()) st = moe_forward(problem, options, d.inputs(), d.y.view(), &saved, &b);
   };
   auto bwd = [&] {
-    if (st.ok()) st = moe_backward(problem, options, d.inputs(), d.dy.view(), saved, d.grads(), ws.get());
+    if (st.ok()) st = moe_backward(problem, options, d.inputs(), d.dy.view(), saved, d.grads(), &b);
   };
   *fwd_ms = testing::median_ms(fwd, 2, 5, nullptr);
   *bwd_ms = testing::median_ms(bwd, 2, 5, nullptr, fwd);
   MEGAMOE_RETURN_IF_ERROR(st);
-  MEGAMOE_RETURN_IF_ERROR(ws->check_device_errors(options));
+  MEGAMOE_RETURN_IF_ERROR(check_device_errors(0, options.cuda_stream));
   return testing::download_outputs(d, out);
 #else
   (void)problem, (void)options, (void)data, (void)out, (void)fwd_ms, (void)bwd_ms;

@@ -1,14 +1,22 @@
-/* C ABI over the C++ core, for ctypes (bench/compare_torch.py, the Python
- * package). Plain pointers and a cudaStream_t passed as void*; no torch.
+/* C ABI over the C++ core, for ctypes (the Python package). Plain pointers
+ * and a cudaStream_t passed as void*; no torch, no handles, no state kept
+ * between calls: the caller owns every buffer.
  *
- * One workspace serves one MoE layer: it is sized once for
- * max_tokens_per_rank, holds the routing plan and the saved activations of
- * the last forward, and is reused by every later call. A backward uses the
- * state of the most recent forward on the same workspace.
+ * CUDA tensors run the CUDA layer on two caller-provided device buffers
+ * (sizes from megamoe_buffer_sizes, layouts in src/core/layer_buffers.h):
+ *   scratch  needed during the call only; share one per device and stream.
+ *   saved    written by a forward, read by its backward (the routing plan
+ *            and z, save policy keep); bytes 0 = nothing saved (recompute
+ *            policy, or no backward follows) — the backward then recomputes.
+ * CPU tensors run the CPU reference (bf16, or f64 = exact math); buffers are
+ * ignored and the backward recomputes its forward.
  *
  * Every function returns 0 on success, else a non-zero megamoe StatusCode;
  * megamoe_last_error() then gives the message (thread-local). Nothing here
- * synchronises with the device, except megamoe_check_device_errors().
+ * synchronises with the device except megamoe_check() and calls with
+ * config.validate = 1. An error a kernel found (a bad expert id, a timed-out
+ * wait) is returned by the first call on that device that starts after the
+ * kernel ran, or by megamoe_check().
  */
 #ifndef MEGAMOE_C_API_H_
 #define MEGAMOE_C_API_H_
@@ -20,64 +28,51 @@
 extern "C" {
 #endif
 
-typedef struct megamoe_workspace megamoe_workspace;
-
-/* precision: 0 bf16, 1 fp8, 2 fp8_bwd, 3 mxfp8. save_policy: 0 keep, 1 recompute.
- * backend: 0 cpu, 1 cuda, 2 auto. */
+/* precision: 0 bf16, 1 fp8, 2 fp8_bwd, 3 mxfp8. save_policy: 0 keep, 1 recompute. */
 typedef struct megamoe_config {
   int64_t hidden, intermediate;
   int32_t num_experts, top_k, ep_rank, ep_size;
-  int64_t max_tokens_per_rank;
-  int32_t precision, save_policy, backend;
-  int32_t device; /* CUDA device ordinal */
+  int32_t precision, save_policy;
+  int32_t validate;          /* 1: synchronise and report device errors before returning */
+  int32_t accumulate_wgrad;  /* 1: dw13/dw2 are f32 and the gradients are added to them */
+  int64_t device_timeout_ms; /* bound of device spin-waits; 0 = default (10 s) */
 } megamoe_config;
 
-int megamoe_workspace_create(const megamoe_config* config, megamoe_workspace** out);
-void megamoe_workspace_destroy(megamoe_workspace* ws);
-/* Device bytes the workspace holds (allocated at creation). */
-size_t megamoe_workspace_bytes(const megamoe_workspace* ws);
-
-/* Device pointers: x [T,H] bf16, topk_idx [T,k] int32, topk_weights [T,k] f32,
- * w13 [E/P,2I,H] bf16, w2 [E/P,H,I] bf16, y [T,H] bf16. */
-int megamoe_forward(megamoe_workspace* ws, int64_t num_tokens, const void* x, const int32_t* topk_idx,
-                    const float* topk_weights, const void* w13, const void* w2, void* y, void* stream);
-
-/* dy [T,H] bf16 -> dx [T,H] bf16, d_topk_weights [T,k] f32, dw13/dw2 in
- * wgrad_dtype (0 bf16, 1 f32). Inputs must be those of the last forward. */
-int megamoe_backward(megamoe_workspace* ws, int64_t num_tokens, const void* x, const int32_t* topk_idx,
-                     const float* topk_weights, const void* w13, const void* w2, const void* dy, void* dx,
-                     float* d_topk_weights, void* dw13, void* dw2, int32_t wgrad_dtype, void* stream);
-
-/* ---- Tensor-descriptor entry points (the Python package uses these) ----
- * Any backend: CPU tensors run the CPU reference (bf16, or f64 = exact math),
- * CUDA tensors the CUDA layer. dtype: 0 bf16, 1 f32, 2 f64, 3 int32 (as
- * megamoe::DType); device: 0 cpu, 1 cuda. A config with backend 0 (cpu) or 2
- * (auto) creates a handle without device memory; backend 1 (cuda) or 2 with a
- * GPU present allocates the CUDA workspace. */
+/* dtype: 0 bf16, 1 f32, 2 f64, 3 int32 (as megamoe::DType); device: 0 cpu, 1 cuda. */
 typedef struct megamoe_tensor {
   void* data;
   int32_t dtype, device, device_index, rank;
   int64_t shape[4];
 } megamoe_tensor;
 
-/* *epoch receives the number of this forward on the handle; pass it to the
- * backward. */
-int megamoe_forward_t(megamoe_workspace* ws, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
-                      const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
-                      const megamoe_tensor* y, void* stream, uint64_t* epoch);
+typedef struct megamoe_buffer {
+  void* data; /* device memory, 256-byte aligned */
+  uint64_t bytes;
+} megamoe_buffer;
 
-/* Gradients for the forward numbered `epoch`. If a later forward has reused
- * the handle since (e.g. a framework replaying ops out of order), the forward
- * is first recomputed from the same inputs (into dx), so the result is always
- * the gradient of these inputs. */
-int megamoe_backward_t(megamoe_workspace* ws, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
-                       const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
-                       const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
-                       const megamoe_tensor* dw13, const megamoe_tensor* dw2, void* stream, uint64_t epoch);
+/* Buffer sizes for a call of num_tokens tokens; will_backward = 0 for a
+ * forward that no backward follows (then *saved_bytes = 0). */
+int megamoe_buffer_sizes(const megamoe_config* config, int64_t num_tokens, int32_t will_backward,
+                         uint64_t* scratch_bytes, uint64_t* saved_bytes);
 
-/* Synchronises `stream` and reports routing errors the device found (an expert
- * id out of range, a token routed twice to one expert) in the last call. */
-int megamoe_check_device_errors(megamoe_workspace* ws, void* stream);
+/* x [T,H], topk_idx [T,k] int32, topk_weights [T,k] f32 (f64 exact), w13 [E/P,2I,H], w2 [E/P,H,I], y [T,H]. */
+int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                    const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                    const megamoe_tensor* y, const megamoe_buffer* saved, const megamoe_buffer* scratch,
+                    void* stream);
+
+/* Gradients of <y, dy>; `saved` must be the buffer its forward wrote (or bytes 0). */
+int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                     const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                     const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
+                     const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
+                     const megamoe_buffer* scratch, void* stream);
+
+/* Synchronises `stream` and reports (then clears) an error the kernels found on `device`. */
+int megamoe_check(int32_t device, void* stream);
+
+/* 1 when this build has the CUDA layer and sees a GPU; *why (static storage) says why not. */
+int megamoe_cuda_available(const char** why);
 
 const char* megamoe_last_error(void);
 

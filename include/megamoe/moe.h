@@ -31,8 +31,10 @@ struct MoeGrads {
   TensorView dx, d_topk_weights, dw13, dw2;
 };
 
-// What the forward leaves for the backward (pooled x and z with kKeep, the
-// routing plan always). Opaque; owned by the caller between the two calls.
+// What a forward leaves for its backward. Opaque; owned by the caller between
+// the two calls. CPU backend: the reference's intermediates. CUDA backend: a
+// note of the saved buffer (MoeBuffers::saved) the forward wrote, checked by
+// the backward; the data itself lives in that buffer.
 class MoeSaved {
  public:
   struct Impl;
@@ -48,32 +50,38 @@ class MoeSaved {
   std::unique_ptr<Impl> impl_;
 };
 
-// Device memory of the CUDA backend for one layer: sized once from
-// problem.max_tokens_per_rank (the routing plan, the expert-major pools, the
-// combine slots and the saved activations of the last forward) and reused by
-// every call. A backward must follow its forward on the same workspace
-// before the next forward on it (one workspace per layer).
-class MoeWorkspace {
- public:
-  struct Impl;
-  // Allocates on options' CUDA device `device` (the only allocation).
-  static Status create(const MoeProblem& problem, const MoeOptions& options, int device,
-                       std::unique_ptr<MoeWorkspace>* out);
-  // Bytes create() would allocate for this problem.
-  static size_t bytes_for(const MoeProblem& problem);
-  ~MoeWorkspace();
-  size_t size_bytes() const;
-  int64_t max_tokens() const;
-  // Waits for `options.cuda_stream` and reports routing errors the device found
-  // in the last call (ids out of range, duplicate experts); outputs of such a
-  // call are NaN. The only call here that synchronises.
-  Status check_device_errors(const MoeOptions& options) const;
-  Impl* impl() const { return impl_.get(); }
-
- private:
-  explicit MoeWorkspace(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+// Device memory of the CUDA backend. The library allocates nothing per call
+// or per layer; the caller passes two buffers (byte layouts in
+// src/core/layer_buffers.h, docs/routing-plan.md):
+//  - scratch: needed during a call only. Give every layer on a device (and
+//    stream) the same one, sized for the largest call; 256-byte aligned.
+//  - saved: written by a forward, read by its backward (the routing plan and
+//    z with SavePolicy::kKeep). Per call, from the caller's allocator; null
+//    with kRecompute or when no backward follows (then saved_bytes is 0).
+struct MoeBuffers {
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  void* saved = nullptr;
+  size_t saved_bytes = 0;
 };
+
+struct MoeBufferSizes {
+  size_t scratch_bytes = 0;
+  size_t saved_bytes = 0;  // 0 unless a backward follows and the policy is kKeep
+};
+
+// Sizes of both buffers for a call of problem.num_tokens tokens. A backward
+// must get the same saved buffer as its forward and scratch of the size given
+// here for the same `will_backward`. Fails (Capacity) when the sizes overflow.
+Status moe_buffer_sizes(const MoeProblem& problem, const MoeOptions& options, bool will_backward,
+                        MoeBufferSizes* out);
+
+// Waits for `cuda_stream` and reports any error the kernels found on `device`
+// (a routing error, a spin-wait that timed out), then clears it. Without this
+// call such an error is returned by the next moe_forward / moe_backward on the
+// device that starts after the failing kernel has run (no synchronisation);
+// MoeOptions::validate makes every call check before it returns.
+Status check_device_errors(int device, void* cuda_stream);
 
 // Which backend a call with `options.backend` would use on this machine, and
 // why ("auto: no CUDA device found, using cpu"). For a call, auto follows
@@ -82,15 +90,16 @@ Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* 
 
 // y = sum_j topk_w[t,j] * w2[e] @ (silu(g) * u), (g, u) = w13[e] @ x[t].
 // `saved` may be null when no backward will follow. Backend cuda needs
-// `workspace` (and bf16 CUDA tensors); the CPU backend ignores it.
+// `buffers` (and bf16 CUDA tensors); the CPU backend ignores them.
 Status moe_forward(const MoeProblem& problem, const MoeOptions& options,
                    const MoeInputs& inputs, const TensorView& y, MoeSaved* saved,
-                   MoeWorkspace* workspace = nullptr);
+                   const MoeBuffers* buffers = nullptr);
 
 // Gradients of <y, dy> w.r.t. x, topk_weights, w13, w2. `saved` comes from
-// moe_forward on the same inputs, options and workspace.
+// moe_forward on the same inputs and options; on CUDA `buffers` holds the
+// same saved buffer as that forward's (scratch may be any large enough).
 Status moe_backward(const MoeProblem& problem, const MoeOptions& options,
                     const MoeInputs& inputs, const TensorView& dy, const MoeSaved& saved,
-                    const MoeGrads& grads, MoeWorkspace* workspace = nullptr);
+                    const MoeGrads& grads, const MoeBuffers* buffers = nullptr);
 
 }  // namespace megamoe

@@ -23,7 +23,7 @@ struct MoeProblem {
   int top_k = 0;                    // routes per token
   int ep_rank = 0;                  // this rank in the expert-parallel group
   int ep_size = 1;                  // P
-  int64_t max_tokens_per_rank = 0;  // sizes the workspace; 0 = num_tokens
+  int64_t max_tokens_per_rank = 0;  // bound on num_tokens (EP capacity); 0 = num_tokens
 
   int experts_per_rank() const { return ep_size > 0 ? num_experts / ep_size : 0; }
   int64_t token_capacity() const { return max_tokens_per_rank > 0 ? max_tokens_per_rank : num_tokens; }
@@ -39,6 +39,12 @@ struct MoeOptions {
   int cpu_threads = 0;  // 0 = hardware concurrency
   // Backend cuda: the cudaStream_t to run on (nullptr = the legacy default stream).
   void* cuda_stream = nullptr;
+  // Backend cuda: synchronise at the end of the call and return any error the
+  // kernels found (bad routing, a timed-out wait) from the call itself.
+  bool validate = false;
+  // Backend cuda: a device spin-wait that waits longer gives up, reports
+  // kernel, block, barrier and phase, and the call fails with kTimeout.
+  int64_t device_timeout_ms = 10000;
 };
 
 // Checks the shape-level rules (alignment, divisibility, ranges).

@@ -1,24 +1,12 @@
-// The C ABI (include/megamoe/c_api.h): a thin shell over moe_forward /
-// moe_backward; errors become codes plus a thread-local message.
+// The C ABI (include/megamoe/c_api.h): a thin, stateless shell over the core;
+// errors become codes plus a thread-local message.
 #include "megamoe/c_api.h"
 
 #include <exception>
-#include <memory>
-#include <mutex>
 #include <string>
 
+#include "api/backends.h"
 #include "megamoe/moe.h"
-
-struct megamoe_workspace {
-  megamoe::MoeProblem problem;
-  megamoe::MoeOptions options;
-  int device = 0;
-  std::unique_ptr<megamoe::MoeWorkspace> ws;  // null for a CPU-only handle
-  megamoe::MoeSaved saved;
-  uint64_t forwards = 0;     // forwards run on this handle
-  uint64_t saved_epoch = 0;  // the forward `saved` belongs to
-  std::mutex mutex;          // calls on one handle are serialised (callers release the GIL)
-};
 
 namespace {
 
@@ -46,27 +34,29 @@ int guarded(Fn&& fn) {
   }
 }
 
-Status config_to_problem(const megamoe_config& c, megamoe::MoeProblem* p, megamoe::MoeOptions* o) {
+Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProblem* p, megamoe::MoeOptions* o) {
   using namespace megamoe;
-  p->hidden = c.hidden;
-  p->intermediate = c.intermediate;
-  p->num_experts = c.num_experts;
-  p->top_k = c.top_k;
-  p->ep_rank = c.ep_rank;
-  p->ep_size = c.ep_size;
-  p->max_tokens_per_rank = c.max_tokens_per_rank;
-  p->num_tokens = c.max_tokens_per_rank;
+  if (c == nullptr) return invalid_argument("config: null");
+  if (c->precision < 0 || c->precision > 3)
+    return invalid_argument("precision: expected 0..3, got " + std::to_string(c->precision));
+  if (c->save_policy < 0 || c->save_policy > 1)
+    return invalid_argument("save_policy: expected 0 (keep) or 1 (recompute), got " + std::to_string(c->save_policy));
+  if (c->device_timeout_ms < 0) return invalid_argument("device_timeout_ms: must be >= 0 (0 = default)");
   static const Precision kPrecisions[] = {Precision::kBF16, Precision::kFP8, Precision::kFP8Bwd, Precision::kMXFP8};
-  static const Backend kBackends[] = {Backend::kCPU, Backend::kCUDA, Backend::kAuto};
-  if (c.precision < 0 || c.precision > 3)
-    return invalid_argument("precision: expected 0..3, got " + std::to_string(c.precision));
-  if (c.save_policy < 0 || c.save_policy > 1)
-    return invalid_argument("save_policy: expected 0 (keep) or 1 (recompute)");
-  if (c.backend < 0 || c.backend > 2) return invalid_argument("backend: expected 0 (cpu), 1 (cuda) or 2 (auto)");
-  if (c.max_tokens_per_rank < 1) return invalid_argument("max_tokens_per_rank must be >= 1");
-  o->precision = kPrecisions[c.precision];
-  o->save_policy = c.save_policy == 0 ? SavePolicy::kKeep : SavePolicy::kRecompute;
-  o->backend = kBackends[c.backend];
+  p->hidden = c->hidden;
+  p->intermediate = c->intermediate;
+  p->num_experts = c->num_experts;
+  p->top_k = c->top_k;
+  p->ep_rank = c->ep_rank;
+  p->ep_size = c->ep_size;
+  p->num_tokens = num_tokens;
+  p->max_tokens_per_rank = num_tokens;
+  o->precision = kPrecisions[c->precision];
+  o->save_policy = c->save_policy == 0 ? SavePolicy::kKeep : SavePolicy::kRecompute;
+  o->backend = Backend::kAuto;  // follows the tensors
+  o->validate = c->validate != 0;
+  o->accumulate_weight_grads = c->accumulate_wgrad != 0;
+  if (c->device_timeout_ms > 0) o->device_timeout_ms = c->device_timeout_ms;
   return validate_problem(*p);
 }
 
@@ -82,138 +72,94 @@ TensorView view_of(const megamoe_tensor* t) {
   return v;
 }
 
-megamoe_tensor desc(const void* p, DType t, std::initializer_list<int64_t> shape, int device) {
-  megamoe_tensor d{const_cast<void*>(p), static_cast<int32_t>(t), 1, device, 0, {0, 0, 0, 0}};
-  for (int64_t s : shape) d.shape[d.rank++] = s;
-  return d;
+megamoe::MoeBuffers buffers_of(const megamoe_buffer* saved, const megamoe_buffer* scratch) {
+  megamoe::MoeBuffers b;
+  if (scratch != nullptr) b.scratch = scratch->data, b.scratch_bytes = scratch->bytes;
+  if (saved != nullptr && saved->bytes > 0) b.saved = saved->data, b.saved_bytes = saved->bytes;
+  return b;
 }
 
-// Per call: the token count comes from x; auto follows the tensors' device.
-Status prepare_call(megamoe_workspace* w, const TensorView& x, void* stream) {
+// The token count comes from x.
+Status tokens_of(const TensorView& x, int64_t* T) {
+  if (x.data == nullptr && x.rank == 0) return megamoe::invalid_argument("x: null");
   if (x.rank != 2) return megamoe::invalid_argument("x: expected shape [T, H], got " + x.shape_string());
-  w->problem.num_tokens = x.shape[0];
-  w->options.cuda_stream = stream;
-  w->options.backend = megamoe::Backend::kAuto;
-  if (x.device == megamoe::DeviceType::kCUDA && !w->ws)
-    return megamoe::invalid_argument(
-        "x: a CUDA tensor, but this handle has no CUDA workspace (create it with backend 1 "
-        "or 2 on a machine with a GPU)");
+  *T = x.shape[0];
   return Status::Ok();
 }
 
-int workspace_create(const megamoe_config* config, megamoe_workspace** out);
-
 }  // namespace
 
 extern "C" {
 
-int megamoe_workspace_create(const megamoe_config* config, megamoe_workspace** out) {
-  return guarded([&] { return workspace_create(config, out); });
-}
-
-}  // extern "C"
-
-namespace {
-int workspace_create(const megamoe_config* config, megamoe_workspace** out) {
-  if (config == nullptr || out == nullptr) return fail(megamoe::invalid_argument("config and out must not be null"));
-  auto w = std::make_unique<megamoe_workspace>();
-  Status st = config_to_problem(*config, &w->problem, &w->options);
-  w->device = config->device;
-  if (st.ok() && w->options.backend != megamoe::Backend::kCPU) {
-    megamoe::Backend chosen;
-    std::string reason;
-    st = megamoe::resolve_backend(w->options, &chosen, &reason);
-    if (st.ok() && (chosen == megamoe::Backend::kCUDA || w->options.backend == megamoe::Backend::kCUDA))
-      st = megamoe::MoeWorkspace::create(w->problem, w->options, w->device, &w->ws);
-  }
-  if (!st.ok()) return fail(st);
-  *out = w.release();
-  return 0;
-}
-}  // namespace
-
-extern "C" {
-
-void megamoe_workspace_destroy(megamoe_workspace* ws) { delete ws; }
-
-size_t megamoe_workspace_bytes(const megamoe_workspace* ws) { return ws && ws->ws ? ws->ws->size_bytes() : 0; }
-
-int megamoe_forward_t(megamoe_workspace* w, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
-                      const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
-                      const megamoe_tensor* y, void* stream, uint64_t* epoch) {
-  if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
+int megamoe_buffer_sizes(const megamoe_config* config, int64_t num_tokens, int32_t will_backward,
+                         uint64_t* scratch_bytes, uint64_t* saved_bytes) {
   return guarded([&] {
-    std::lock_guard<std::mutex> lock(w->mutex);
-    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
-    Status st = prepare_call(w, in.x, stream);
-    if (st.ok()) st = megamoe::moe_forward(w->problem, w->options, in, view_of(y), &w->saved, w->ws.get());
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    if (num_tokens < 0) return fail(megamoe::invalid_argument("num_tokens: must be >= 0"));
+    Status st = to_problem(config, num_tokens, &p, &o);
+    megamoe::MoeBufferSizes sizes;
+    if (st.ok()) st = megamoe::moe_buffer_sizes(p, o, will_backward != 0, &sizes);
     if (!st.ok()) return fail(st);
-    w->saved_epoch = ++w->forwards;
-    if (epoch != nullptr) *epoch = w->saved_epoch;
+    if (scratch_bytes != nullptr) *scratch_bytes = sizes.scratch_bytes;
+    if (saved_bytes != nullptr) *saved_bytes = sizes.saved_bytes;
     return 0;
   });
 }
 
-int megamoe_backward_t(megamoe_workspace* w, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
-                       const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
-                       const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
-                       const megamoe_tensor* dw13, const megamoe_tensor* dw2, void* stream, uint64_t epoch) {
-  if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
+int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                    const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                    const megamoe_tensor* y, const megamoe_buffer* saved, const megamoe_buffer* scratch,
+                    void* stream) {
   return guarded([&] {
-    std::lock_guard<std::mutex> lock(w->mutex);
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
-    Status st = prepare_call(w, in.x, stream);
-    if (st.ok() && (epoch != w->saved_epoch || !w->saved.valid())) {
-      // The handle's saved state belongs to another forward: recompute this one (dx is the scratch y).
-      st = megamoe::moe_forward(w->problem, w->options, in, view_of(dx), &w->saved, w->ws.get());
-      if (st.ok()) w->saved_epoch = ++w->forwards;
-    }
-    if (st.ok())
-      st = megamoe::moe_backward(w->problem, w->options, in, view_of(dy), w->saved,
-                                 {view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)}, w->ws.get());
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    int64_t T = 0;
+    Status st = tokens_of(in.x, &T);
+    if (st.ok()) st = to_problem(config, T, &p, &o);
+    if (!st.ok()) return fail(st);
+    o.cuda_stream = stream;
+    if (in.x.device == megamoe::DeviceType::kCUDA)
+      return fail(megamoe::detail::cuda_forward(p, o, in, view_of(y), buffers_of(saved, scratch)));
+    return fail(megamoe::moe_forward(p, o, in, view_of(y), nullptr));
+  });
+}
+
+int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
+                     const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                     const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
+                     const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
+                     const megamoe_buffer* scratch, void* stream) {
+  return guarded([&] {
+    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
+    const megamoe::MoeGrads g{view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)};
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    int64_t T = 0;
+    Status st = tokens_of(in.x, &T);
+    if (st.ok()) st = to_problem(config, T, &p, &o);
+    if (!st.ok()) return fail(st);
+    o.cuda_stream = stream;
+    if (in.x.device == megamoe::DeviceType::kCUDA)
+      return fail(megamoe::detail::cuda_backward(p, o, in, view_of(dy), g, buffers_of(saved, scratch)));
+    // CPU reference: the forward's intermediates are recomputed (dx is its scratch y).
+    megamoe::MoeSaved cpu_saved;
+    st = megamoe::moe_forward(p, o, in, g.dx, &cpu_saved);
+    if (st.ok()) st = megamoe::moe_backward(p, o, in, view_of(dy), cpu_saved, g);
     return fail(st);
   });
 }
 
-int megamoe_forward(megamoe_workspace* w, int64_t T, const void* x, const int32_t* topk_idx, const float* topk_weights,
-                    const void* w13, const void* w2, void* y, void* stream) {
-  if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  const auto& p = w->problem;
-  const int64_t H = p.hidden, I = p.intermediate, L = p.experts_per_rank(), k = p.top_k;
-  const int d = w->device;
-  const megamoe_tensor tx = desc(x, DType::kBF16, {T, H}, d), ti = desc(topk_idx, DType::kI32, {T, k}, d),
-                       tw = desc(topk_weights, DType::kF32, {T, k}, d), t13 = desc(w13, DType::kBF16, {L, 2 * I, H}, d),
-                       t2 = desc(w2, DType::kBF16, {L, H, I}, d), ty = desc(y, DType::kBF16, {T, H}, d);
-  return megamoe_forward_t(w, &tx, &ti, &tw, &t13, &t2, &ty, stream, nullptr);
+int megamoe_check(int32_t device, void* stream) {
+  return guarded([&] { return fail(megamoe::check_device_errors(device, stream)); });
 }
 
-int megamoe_backward(megamoe_workspace* w, int64_t T, const void* x, const int32_t* topk_idx, const float* topk_weights,
-                     const void* w13, const void* w2, const void* dy, void* dx, float* d_topk_weights, void* dw13,
-                     void* dw2, int32_t wgrad_dtype, void* stream) {
-  if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  if (wgrad_dtype != 0 && wgrad_dtype != 1)
-    return fail(megamoe::invalid_argument("wgrad_dtype: expected 0 (bf16) or 1 (f32)"));
-  const auto& p = w->problem;
-  const int64_t H = p.hidden, I = p.intermediate, L = p.experts_per_rank(), k = p.top_k;
-  const int d = w->device;
-  const DType wd = wgrad_dtype == 1 ? DType::kF32 : DType::kBF16;
-  const megamoe_tensor tx = desc(x, DType::kBF16, {T, H}, d), ti = desc(topk_idx, DType::kI32, {T, k}, d),
-                       tw = desc(topk_weights, DType::kF32, {T, k}, d), t13 = desc(w13, DType::kBF16, {L, 2 * I, H}, d),
-                       t2 = desc(w2, DType::kBF16, {L, H, I}, d), tdy = desc(dy, DType::kBF16, {T, H}, d),
-                       tdx = desc(dx, DType::kBF16, {T, H}, d), tdw = desc(d_topk_weights, DType::kF32, {T, k}, d),
-                       td13 = desc(dw13, wd, {L, 2 * I, H}, d), td2 = desc(dw2, wd, {L, H, I}, d);
-  return megamoe_backward_t(w, &tx, &ti, &tw, &t13, &t2, &tdy, &tdx, &tdw, &td13, &td2, stream, w->saved_epoch);
-}
-
-int megamoe_check_device_errors(megamoe_workspace* w, void* stream) {
-  if (w == nullptr) return fail(megamoe::invalid_argument("workspace is null"));
-  if (!w->ws) return 0;  // the CPU backend reports routing errors synchronously
-  return guarded([&] {
-    std::lock_guard<std::mutex> lock(w->mutex);
-    megamoe::MoeOptions o = w->options;
-    o.cuda_stream = stream;
-    return fail(w->ws->check_device_errors(o));
-  });
+int megamoe_cuda_available(const char** why) {
+  static thread_local std::string reason;
+  const bool ok = megamoe::detail::cuda_layer_available(&reason);
+  if (why != nullptr) *why = ok ? "" : reason.c_str();
+  return ok ? 1 : 0;
 }
 
 const char* megamoe_last_error(void) { return g_last_error.c_str(); }

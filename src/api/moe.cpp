@@ -5,6 +5,7 @@
 
 #include "api/backends.h"
 #include "api/saved_state.h"
+#include "core/layer_buffers.h"
 #include "megamoe/reference.h"
 
 namespace megamoe {
@@ -46,7 +47,37 @@ Status check_cpu_call(const MoeProblem& problem, const MoeInputs& inputs) {
   return Status::Ok();
 }
 
+// The CUDA backend's note of what its forward saved (the data is in the caller's buffer).
+struct CudaSaved : MoeSaved::Impl {
+  CudaSaved() : Impl(Backend::kCUDA) {}
+  const void* saved = nullptr;
+  size_t saved_bytes = 0;
+  int64_t tokens = 0;
+};
+
 }  // namespace
+
+Status moe_buffer_sizes(const MoeProblem& problem, const MoeOptions& options, bool will_backward,
+                        MoeBufferSizes* out) {
+  MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
+  if (problem.ep_size != 1)
+    return unimplemented("moe_buffer_sizes: expert parallelism (ep_size > 1) has no CUDA layer yet");
+  const LayerDims d{problem.num_tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.top_k};
+  const bool saves = will_backward && options.save_policy == SavePolicy::kKeep;
+  MoeBufferSizes sizes;
+  if (saves) {
+    SavedLayout s;
+    MEGAMOE_RETURN_IF_ERROR(saved_layout(d, &s));
+    sizes.saved_bytes = s.bytes;
+  }
+  ScratchLayout sl;
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(d, !saves, &sl));
+  sizes.scratch_bytes = sl.bytes;
+  *out = sizes;
+  return Status::Ok();
+}
+
+Status check_device_errors(int device, void* cuda_stream) { return detail::cuda_check_device_errors(device, cuda_stream); }
 
 Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* reason) {
   switch (options.backend) {
@@ -79,22 +110,52 @@ Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* 
 }
 
 Status moe_forward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
-                   const TensorView& y, MoeSaved* saved, MoeWorkspace* workspace) {
+                   const TensorView& y, MoeSaved* saved, const MoeBuffers* buffers) {
   Backend backend;
   MEGAMOE_RETURN_IF_ERROR(choose_backend(options, inputs, &backend));
-  if (backend == Backend::kCUDA) return detail::cuda_forward(problem, options, inputs, y, saved, workspace);
+  if (backend == Backend::kCUDA) {
+    std::string why;
+    if (!detail::cuda_layer_available(&why)) return unavailable("backend cuda: " + why);
+    if (buffers == nullptr) return invalid_argument("buffers: backend cuda needs MoeBuffers (see moe_buffer_sizes)");
+    MoeBuffers b = *buffers;
+    if (saved == nullptr || options.save_policy == SavePolicy::kRecompute) b.saved = nullptr, b.saved_bytes = 0;
+    if (saved != nullptr && options.save_policy == SavePolicy::kKeep && b.saved == nullptr)
+      return invalid_argument("buffers.saved: a forward with a backward to follow and save policy keep needs the "
+                              "saved buffer (moe_buffer_sizes(..., will_backward = true))");
+    MEGAMOE_RETURN_IF_ERROR(detail::cuda_forward(problem, options, inputs, y, b));
+    if (saved != nullptr) {
+      auto note = std::make_unique<CudaSaved>();
+      note->saved = b.saved;
+      note->saved_bytes = b.saved_bytes;
+      note->tokens = problem.num_tokens;
+      saved->reset(std::move(note));
+    }
+    return Status::Ok();
+  }
   MEGAMOE_RETURN_IF_ERROR(check_cpu_call(problem, inputs));
   return reference::simulate_forward(problem, options, {inputs}, {y}, saved);
 }
 
 Status moe_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
-                    const TensorView& dy, const MoeSaved& saved, const MoeGrads& grads, MoeWorkspace* workspace) {
+                    const TensorView& dy, const MoeSaved& saved, const MoeGrads& grads, const MoeBuffers* buffers) {
   Backend backend;
   MEGAMOE_RETURN_IF_ERROR(choose_backend(options, inputs, &backend));
   if (saved.impl() != nullptr && saved.impl()->backend != backend)
     return invalid_argument(std::string("saved: produced by backend ") + to_string(saved.impl()->backend) +
                             ", backward runs on " + to_string(backend));
-  if (backend == Backend::kCUDA) return detail::cuda_backward(problem, options, inputs, dy, saved, grads, workspace);
+  if (backend == Backend::kCUDA) {
+    std::string why;
+    if (!detail::cuda_layer_available(&why)) return unavailable("backend cuda: " + why);
+    const auto* note = dynamic_cast<const CudaSaved*>(saved.impl());
+    if (note == nullptr) return invalid_argument("saved: empty (run moe_forward with a MoeSaved first)");
+    if (buffers == nullptr) return invalid_argument("buffers: backend cuda needs MoeBuffers (see moe_buffer_sizes)");
+    if (note->tokens != problem.num_tokens)
+      return invalid_argument("saved: the forward ran on " + std::to_string(note->tokens) + " tokens, this backward on " +
+                              std::to_string(problem.num_tokens));
+    if (note->saved != buffers->saved || note->saved_bytes != buffers->saved_bytes)
+      return invalid_argument("buffers.saved: not the saved buffer its forward wrote");
+    return detail::cuda_backward(problem, options, inputs, dy, grads, *buffers);
+  }
   MEGAMOE_RETURN_IF_ERROR(check_cpu_call(problem, inputs));
   return reference::simulate_backward(problem, options, {inputs}, {dy}, saved, {grads});
 }

@@ -120,4 +120,26 @@ double median_ms(const std::function<void()>& fn, int warmup, int iters, cudaStr
   return ms.empty() ? 0.0 : ms[ms.size() / 2];
 }
 
+MoeBuffers DeviceBuffers::view() const {
+  MoeBuffers b;
+  b.scratch = scratch.view().data;
+  b.scratch_bytes = static_cast<size_t>(scratch.view().size_bytes());
+  b.saved = saved.view().data;
+  b.saved_bytes = static_cast<size_t>(saved.view().size_bytes());
+  return b;
+}
+
+Status make_device_buffers(const MoeProblem& p, const MoeOptions& o, bool will_backward, int device,
+                           DeviceBuffers* out) {
+  MoeBufferSizes sizes;
+  MEGAMOE_RETURN_IF_ERROR(moe_buffer_sizes(p, o, will_backward, &sizes));
+  out->scratch = DeviceTensor(DType::kI32, {static_cast<int64_t>(sizes.scratch_bytes / 4)}, device);
+  out->saved = DeviceTensor(DType::kI32, {static_cast<int64_t>(sizes.saved_bytes / 4)}, device);
+  if ((sizes.scratch_bytes > 0 && out->scratch.view().data == nullptr) ||
+      (sizes.saved_bytes > 0 && out->saved.view().data == nullptr))
+    return capacity_error("cannot allocate the layer buffers (" + std::to_string(sizes.scratch_bytes >> 20) +
+                          " MiB scratch, " + std::to_string(sizes.saved_bytes >> 20) + " MiB saved)");
+  return Status::Ok();
+}
+
 }  // namespace megamoe::testing

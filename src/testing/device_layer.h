@@ -34,6 +34,15 @@ struct DeviceLayer {
   MoeGrads grads() const { return {dx.view(), d_topk_weights.view(), dw13.view(), dw2.view()}; }
 };
 
+// The CUDA layer's two buffers (scratch, saved), sized by moe_buffer_sizes;
+// stored as i32 tensors of bytes / 4 elements.
+struct DeviceBuffers {
+  DeviceTensor scratch, saved;
+  MoeBuffers view() const;
+};
+Status make_device_buffers(const MoeProblem& p, const MoeOptions& o, bool will_backward, int device,
+                           DeviceBuffers* out);
+
 // Uploads `data` and allocates outputs (weight grads in `wgrad_dtype`) on `device`.
 Status make_device_layer(const MoeProblem& p, const LayerData& data, DType wgrad_dtype, int device, DeviceLayer* out);
 // Poisons every output with NaN bytes.

@@ -107,7 +107,7 @@ TEST_F(ApiValidation, MultiRankOnTheSingleRankEntryPoint) {
   expect_forward_error(StatusCode::kUnimplemented, "simulate_forward simulates P ranks");
 }
 
-TEST_F(ApiValidation, CudaBackendWithoutGpuOrWorkspaceIsAClearError) {
+TEST_F(ApiValidation, CudaBackendWithoutGpuOrBuffersIsAClearError) {
   MoeOptions o = cpu_options();
   o.backend = Backend::kCUDA;
   const Status st = forward(o);
@@ -117,7 +117,7 @@ TEST_F(ApiValidation, CudaBackendWithoutGpuOrWorkspaceIsAClearError) {
     EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
   } else {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-    EXPECT_NE(st.message().find("backend cuda needs a MoeWorkspace"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("backend cuda needs MoeBuffers"), std::string::npos) << st.message();
   }
 }
 

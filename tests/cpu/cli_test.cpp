@@ -81,7 +81,7 @@ TEST(Cli, CudaBackendRunsOrSaysWhyNot) {
     EXPECT_TRUE(has(r, "backend cuda:")) << r.output;
   } else {
     EXPECT_EQ(r.status, 0) << r.output;
-    EXPECT_TRUE(has(r, "workspace:")) << r.output;
+    EXPECT_TRUE(has(r, "device buffers:")) << r.output;
     EXPECT_FALSE(has(r, " NO")) << r.output;
   }
   const Result fp8 = run_cli("run --preset tiny --tokens 16 --backend cuda --precision fp8");

@@ -63,7 +63,7 @@ Status get(int device, PerDevice** out) {
   return Status::Ok();
 }
 
-Status describe(const DeviceErrorReport& r, int device, int num_experts) {
+Status describe(const DeviceErrorReport& r, int device) {
   const std::string on = " (found on cuda:" + std::to_string(device) + " in a megamoe call";
   if (r.kind == kDeviceErrorTimeout) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) + ": the wait on " +
@@ -76,7 +76,7 @@ Status describe(const DeviceErrorReport& r, int device, int num_experts) {
   const std::string where = "topk_idx[" + std::to_string(route / k) + "," + std::to_string(route % k) + "]";
   if ((r.key & 3) == kPlanErrorOutOfRange)
     return invalid_argument(where + " = " + std::to_string(r.value) + " is out of range [-1, num_experts = " +
-                            std::to_string(num_experts) + ")" + on + "; its outputs were set to NaN)");
+                            std::to_string(r.num_experts) + ")" + on + "; its outputs were set to NaN)");
   return invalid_argument("token " + std::to_string(route / k) + " is routed twice to expert " +
                           std::to_string(r.value) + " (" + where + " repeats an earlier slot" + on +
                           "; its outputs were set to NaN)");
@@ -91,7 +91,7 @@ Status device_error_sink(int device, DeviceErrorSink* out) {
   return Status::Ok();
 }
 
-Status take_device_error(int device, int num_experts, cudaStream_t stream) {
+Status take_device_error(int device, cudaStream_t stream) {
   PerDevice* d;
   MEGAMOE_RETURN_IF_ERROR(get(device, &d));
   if (d->host->kind == kDeviceErrorNone) return Status::Ok();
@@ -101,13 +101,13 @@ Status take_device_error(int device, int num_experts, cudaStream_t stream) {
   // Later kernels on `stream` may claim again once this memset has run.
   const cudaError_t err = cudaMemsetAsync(d->sink.claim, 0, sizeof(unsigned int), stream);
   if (err != cudaSuccess) return cuda_status("reset the claim", err);
-  return describe(r, device, num_experts);
+  return describe(r, device);
 }
 
-Status sync_and_take_device_error(int device, int num_experts, cudaStream_t stream) {
+Status sync_and_take_device_error(int device, cudaStream_t stream) {
   const cudaError_t err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) return cuda_status("stream synchronize", err);
-  return take_device_error(device, num_experts, stream);
+  return take_device_error(device, stream);
 }
 
 }  // namespace megamoe::cuda

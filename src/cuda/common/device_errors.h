@@ -10,8 +10,8 @@
 // synchronisation in check / validate mode; taking a report clears it and
 // frees the claim (an async memset on the caller's stream).
 //
-// Byte layout of DeviceErrorReport (host-mapped, 48 bytes):
-//   kind u32 | kernel u32 | block u32 | barrier u32 | phase u32 | top_k u32
+// Byte layout of DeviceErrorReport (host-mapped, 56 bytes):
+//   kind u32 | kernel u32 | block u32 | barrier u32 | phase u32 | top_k u32 | num_experts u32 | pad u32
 //   | key u64 (routing: (t*k + j) << 2 | PlanErrorKind) | value i64 (topk_idx there) | waited_ns u64
 #pragma once
 
@@ -41,7 +41,7 @@ enum BarrierId : uint32_t { kBarrierFull = 0, kBarrierEmpty, kBarrierOrder, kBar
 
 struct DeviceErrorReport {
   volatile uint32_t kind;
-  uint32_t kernel, block, barrier, phase, top_k;
+  uint32_t kernel, block, barrier, phase, top_k, num_experts;
   uint64_t key;
   int64_t value;
   uint64_t waited_ns;
@@ -81,7 +81,7 @@ __device__ __forceinline__ void report_timeout(const DeviceErrorSink& sink, uint
 }
 
 __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint64_t key, int64_t value,
-                                               uint32_t top_k) {
+                                               uint32_t top_k, uint32_t num_experts) {
   if (!claim_report(sink)) return;
   DeviceErrorReport* r = sink.report;
   r->kernel = kKernelRouting;
@@ -89,6 +89,7 @@ __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint
   r->key = key;
   r->value = value;
   r->top_k = top_k;
+  r->num_experts = num_experts;
   __threadfence_system();
   r->kind = kDeviceErrorRouting;
   __threadfence_system();
@@ -100,10 +101,9 @@ Status device_error_sink(int device, DeviceErrorSink* out);
 
 // Takes the pending report of `device`, if any: returns it as a Status naming
 // what was found (Ok when none) and frees the claim on `stream`. No sync.
-// `num_experts` only words the message of a routing error.
-Status take_device_error(int device, int num_experts, cudaStream_t stream);
+Status take_device_error(int device, cudaStream_t stream);
 
 // Synchronises `stream`, then take_device_error.
-Status sync_and_take_device_error(int device, int num_experts, cudaStream_t stream);
+Status sync_and_take_device_error(int device, cudaStream_t stream);
 
 }  // namespace megamoe::cuda

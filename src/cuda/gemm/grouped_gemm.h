@@ -14,6 +14,10 @@
 // output tile per (expert, m, n), reducing over that expert's pool rows in
 // order. Every output element is written by exactly one CTA, in a fixed
 // order: results are deterministic. Tiles: BLOCK_M = BLOCK_N = 128, BLOCK_K = 64.
+//
+// Every mbarrier wait of the kernel is bounded by errors.timeout_ns: a wait
+// that gives up reports (kernel, block, barrier, phase) to `errors` and the
+// kernel exits without a trap, its outputs undefined (docs/gemm-engine.md).
 #pragma once
 
 #include <cuda.h>
@@ -21,6 +25,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/device_errors.h"
+#include "cuda/common/device_errors.h"
 #include "megamoe/status.h"
 
 namespace megamoe::cuda {
@@ -59,6 +65,8 @@ struct GroupedGemmArgs {
   float* dw_partial = nullptr;  // kDownGrad: [capacity, I / 128]
   bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)
   bool accumulate = false;      // kWeightGrad fp32: add to out0
+  DeviceErrorSink errors;       // where a timed-out wait is reported (and its bound)
+  int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration
 };
 
 // Launches the engine on `stream`. Host-side checks only (no synchronisation).

@@ -3,24 +3,22 @@
 // combine slots -> fixed-order slot sum; the backward in reverse plus the
 // K-grouped weight gradients. No host synchronisation, no per-expert host
 // loop, no float atomics: the whole forward + backward is graph-capturable.
+//
+// The layer owns no memory: the caller passes a scratch buffer (shared by all
+// layers on a device and stream) and, for a backward, a saved buffer (per
+// call, through the caller's allocator). Layouts: core/layer_buffers.h.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 
+#include "core/layer_buffers.h"
+#include "cuda/common/device_errors.h"
 #include "megamoe/status.h"
-#include "megamoe/types.h"
 
 namespace megamoe::cuda {
-
-struct LayerShape {
-  int64_t hidden = 0, intermediate = 0;
-  int num_experts = 0, top_k = 0;
-  int64_t max_tokens = 0;
-};
 
 // Device pointers of one call (bf16 unless noted).
 struct LayerInputs {
@@ -40,37 +38,31 @@ struct LayerGrads {
   bool accumulate;  // fp32 only: add to dw13/dw2
 };
 
-class LayerWorkspace {
- public:
-  // Allocates the workspace (the only allocation) on `device`.
-  static Status create(const LayerShape& shape, int device, std::unique_ptr<LayerWorkspace>* out);
-  static size_t bytes_for(const LayerShape& shape);
-  ~LayerWorkspace();
-  LayerWorkspace(const LayerWorkspace&) = delete;
-  LayerWorkspace& operator=(const LayerWorkspace&) = delete;
-
-  size_t bytes() const { return bytes_; }
-  const LayerShape& shape() const { return shape_; }
-  int device() const { return device_; }
-  // Incremented by every forward; a backward checks it against its forward's.
-  uint64_t epoch() const { return epoch_; }
-
-  Status forward(int64_t num_tokens, const LayerInputs& in, void* y, SavePolicy policy, cudaStream_t stream);
-  Status backward(int64_t num_tokens, const LayerInputs& in, const void* dy, const LayerGrads& grads,
-                  SavePolicy policy, cudaStream_t stream);
-  // Synchronises `stream` and turns a routing error the device found into a Status.
-  Status check_device_errors(cudaStream_t stream, int top_k) const;
-
-  struct Buffers;  // the carve-out (cuda_layer.cu)
-
- private:
-  LayerWorkspace() = default;
-  LayerShape shape_;
-  int device_ = 0, num_sms_ = 0;
-  size_t bytes_ = 0;
-  uint64_t epoch_ = 0;
-  void* base_ = nullptr;
-  std::unique_ptr<Buffers> buf_;
+// scratch: scratch_layout(dims, saved == nullptr).bytes; saved: saved_layout(dims).bytes or null.
+struct LayerBuffers {
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  void* saved = nullptr;
+  size_t saved_bytes = 0;
 };
+
+struct LayerCall {
+  LayerDims dims;
+  int device = 0;
+  DeviceErrorSink errors;
+  cudaStream_t stream = nullptr;
+};
+
+// Checks the device (Hopper), top_k and buffer sizes; fills call->errors.
+Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream, const LayerBuffers& buffers,
+                          LayerCall* call);
+
+// With buffers.saved, the plan and z are written there for the backward;
+// without, the plan lives in scratch and z is not kept.
+Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, const LayerBuffers& buffers);
+// With buffers.saved (from this forward), plan and z are read from it; without,
+// both are recomputed into scratch first.
+Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* dy, const LayerGrads& grads,
+                      const LayerBuffers& buffers);
 
 }  // namespace megamoe::cuda

@@ -30,8 +30,14 @@ __global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, con
 }
 
 __global__ void combine_slots_kernel(const uint4* slots, const int32_t* topk_idx, int64_t T, int k, int E,
-                                     int64_t chunks_per_row, const unsigned long long* error_key, uint4* out) {
-  const bool failed = *error_key != kNoPlanError;
+                                     int64_t chunks_per_row, const unsigned long long* error_key,
+                                     DeviceErrorSink errors, uint4* out) {
+  const unsigned long long key = *error_key;
+  const bool failed = key != kNoPlanError;
+  if (failed && blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned long long route = key >> 2;
+    report_routing(errors, key, topk_idx[route], static_cast<uint32_t>(k), static_cast<uint32_t>(E));
+  }
   const int64_t total = T * chunks_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -86,12 +92,13 @@ Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int t
 }
 
 Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
-                     int64_t width, const unsigned long long* error_key, void* out, cudaStream_t stream) {
+                     int64_t width, const unsigned long long* error_key, const DeviceErrorSink& errors, void* out,
+                     cudaStream_t stream) {
   if (num_tokens == 0) return Status::Ok();
   const int64_t chunks = width / 8;
   combine_slots_kernel<<<grid_for(num_tokens * chunks), kThreads, 0, stream>>>(
       static_cast<const uint4*>(slots), topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
-      static_cast<uint4*>(out));
+      errors, static_cast<uint4*>(out));
   return check_launch("combine_slots_kernel");
 }
 

@@ -1,0 +1,92 @@
+// The byte layouts of the CUDA layer's buffers (core/layer_buffers.h): pure
+// arithmetic, so checked here without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/layer_buffers.h"
+
+namespace megamoe {
+namespace {
+
+LayerDims qwen3_30b(int64_t tokens) { return LayerDims{tokens, 2048, 768, 128, 8}; }
+
+void expect_disjoint_and_aligned(std::vector<Region> regions, size_t total) {
+  std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) { return a.offset < b.offset; });
+  for (size_t i = 0; i < regions.size(); ++i) {
+    EXPECT_EQ(regions[i].offset % kBufferAlign, 0u);
+    EXPECT_LE(regions[i].offset + regions[i].bytes, total);
+    if (i > 0) {
+      EXPECT_LE(regions[i - 1].offset + regions[i - 1].bytes, regions[i].offset) << "overlap at " << i;
+    }
+  }
+}
+
+TEST(LayerBuffers, CapacityIsTheWorstCasePool) {
+  int64_t c = 0;
+  ASSERT_TRUE(pool_capacity(qwen3_30b(8192), &c).ok());
+  EXPECT_EQ(c, (8192 * 8 + 127 * 128 + 127) / 128 * 128);
+  ASSERT_TRUE(pool_capacity(LayerDims{10, 128, 128, 4, 8}, &c).ok());  // k > E: a token meets each expert once
+  EXPECT_EQ(c, (10 * 4 + 127 * 4 + 127) / 128 * 128);
+  ASSERT_TRUE(pool_capacity(LayerDims{0, 128, 128, 4, 2}, &c).ok());
+  EXPECT_EQ(c, 512);
+}
+
+TEST(LayerBuffers, SavedHoldsPlanAndZ) {
+  SavedLayout s;
+  ASSERT_TRUE(saved_layout(qwen3_30b(8192), &s).ok());
+  int64_t c = 0;
+  ASSERT_TRUE(pool_capacity(qwen3_30b(8192), &c).ok());
+  EXPECT_EQ(s.z_pool.bytes, static_cast<size_t>(c) * 2 * 768 * 2);
+  EXPECT_EQ(s.route_row.bytes, 8192u * 8 * 4);
+  EXPECT_EQ(s.bytes % kBufferAlign, 0u);
+  expect_disjoint_and_aligned({s.error_key, s.expert_rows, s.expert_offset, s.tile_expert, s.route_row, s.row_src,
+                               s.z_pool},
+                              s.bytes);
+}
+
+TEST(LayerBuffers, ScratchWithAndWithoutThePlan) {
+  ScratchLayout with, without;
+  ASSERT_TRUE(scratch_layout(qwen3_30b(4096), true, &with).ok());
+  ASSERT_TRUE(scratch_layout(qwen3_30b(4096), false, &without).ok());
+  SavedLayout s;
+  ASSERT_TRUE(saved_layout(qwen3_30b(4096), &s).ok());
+  EXPECT_GE(with.bytes, without.bytes + s.bytes);
+  expect_disjoint_and_aligned({without.chunk_counts, without.xdy_pool, without.a_pool, without.slots, without.dz_pool,
+                               without.dw_partial},
+                              without.bytes);
+  expect_disjoint_and_aligned({with.chunk_counts, Region{with.plan_offset, with.plan.bytes}, with.xdy_pool, with.a_pool,
+                               with.slots, with.dz_pool, with.dw_partial},
+                              with.bytes);
+  EXPECT_EQ(without.slots.bytes, 8u * 4096 * 2048 * 2);
+}
+
+TEST(LayerBuffers, GrowWithTokens) {
+  size_t last_saved = 0, last_scratch = 0;
+  for (int64_t t : {1, 100, 256, 257, 4096, 16384}) {
+    SavedLayout s;
+    ScratchLayout sl;
+    ASSERT_TRUE(saved_layout(qwen3_30b(t), &s).ok());
+    ASSERT_TRUE(scratch_layout(qwen3_30b(t), false, &sl).ok());
+    EXPECT_GT(s.bytes, last_saved);
+    EXPECT_GT(sl.bytes, last_scratch);
+    last_saved = s.bytes, last_scratch = sl.bytes;
+  }
+}
+
+TEST(LayerBuffers, OverflowIsACapacityErrorNotAWrap) {
+  for (int64_t t : {int64_t{1} << 62, int64_t{9223372036854775807}, int64_t{536870912}, int64_t{1} << 40}) {
+    SavedLayout s;
+    ScratchLayout sl;
+    const Status a = saved_layout(qwen3_30b(t), &s), b = scratch_layout(qwen3_30b(t), true, &sl);
+    EXPECT_EQ(a.code(), StatusCode::kCapacity) << t;
+    EXPECT_EQ(b.code(), StatusCode::kCapacity) << t;
+    EXPECT_NE(a.message().find("exceed what one device can address"), std::string::npos) << a.message();
+  }
+  SavedLayout s;
+  EXPECT_EQ(saved_layout(LayerDims{-1, 128, 128, 4, 2}, &s).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace megamoe
