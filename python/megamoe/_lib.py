@@ -26,9 +26,9 @@ class Config(ctypes.Structure):
         ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32),
         ("ep_rank", ctypes.c_int32), ("ep_size", ctypes.c_int32),
-        ("max_tokens_per_rank", ctypes.c_int64),
-        ("precision", ctypes.c_int32), ("save_policy", ctypes.c_int32), ("backend", ctypes.c_int32),
-        ("device", ctypes.c_int32),
+        ("precision", ctypes.c_int32), ("save_policy", ctypes.c_int32),
+        ("validate", ctypes.c_int32), ("accumulate_wgrad", ctypes.c_int32),
+        ("device_timeout_ms", ctypes.c_int64),
     ]
 
 
@@ -37,6 +37,10 @@ class Tensor(ctypes.Structure):
         ("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
         ("device_index", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * 4),
     ]
+
+
+class Buffer(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_uint64)]
 
 
 def _candidates() -> list[Path]:
@@ -59,14 +63,13 @@ def _load() -> ctypes.CDLL:
     else:
         raise ImportError("megamoe: libmegamoe_c.so not found (tried " + ", ".join(tried) +
                           "); install with `pip install .` or set MEGAMOE_LIBRARY")
-    P, T = ctypes.c_void_p, ctypes.POINTER(Tensor)
-    lib.megamoe_workspace_create.argtypes = [ctypes.POINTER(Config), ctypes.POINTER(P)]
-    lib.megamoe_workspace_destroy.argtypes = [P]
-    lib.megamoe_workspace_bytes.argtypes = [P]
-    lib.megamoe_workspace_bytes.restype = ctypes.c_size_t
-    lib.megamoe_forward_t.argtypes = [P, T, T, T, T, T, T, P, ctypes.POINTER(ctypes.c_uint64)]
-    lib.megamoe_backward_t.argtypes = [P] + [T] * 10 + [P, ctypes.c_uint64]
-    lib.megamoe_check_device_errors.argtypes = [P, P]
+    P, C, T, B = ctypes.c_void_p, ctypes.POINTER(Config), ctypes.POINTER(Tensor), ctypes.POINTER(Buffer)
+    U64 = ctypes.POINTER(ctypes.c_uint64)
+    lib.megamoe_buffer_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64]
+    lib.megamoe_forward.argtypes = [C] + [T] * 6 + [B, B, P]
+    lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, P]
+    lib.megamoe_check.argtypes = [ctypes.c_int32, P]
+    lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
     lib.megamoe_last_error.restype = ctypes.c_char_p
     return lib
 

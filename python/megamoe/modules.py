@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import Workspace, moe
+from .ops import buffer_sizes, moe, reserve_scratch
 
 
 class MegaMoEExperts(nn.Module):
@@ -15,23 +15,18 @@ class MegaMoEExperts(nn.Module):
     top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
-                 save: str = "keep", max_tokens: int = 16384, device=None, dtype=None):
+                 save: str = "keep", max_tokens: int | None = None, device=None, dtype=None):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = num_experts, hidden, intermediate, top_k
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
         self.precision, self.save, self.max_tokens = precision, save, max_tokens
-        self._workspace: Workspace | None = None
+        # max_tokens (optional): reserve the shared scratch for this many tokens at the first call.
+        self._megamoe_config = {"precision": precision, "save": save}
+        if max_tokens is not None:
+            self._megamoe_config["max_tokens"] = max_tokens
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
         nn.init.normal_(self.down_proj, std=intermediate ** -0.5)
-
-    def workspace(self, device: torch.device) -> Workspace:
-        # Created once per layer (outside any checkpointed recomputation's state).
-        if self._workspace is None or self._workspace.device != device:
-            self._workspace = Workspace(self.hidden_dim, self.intermediate_dim, self.num_experts, self.top_k,
-                                        max_tokens=self.max_tokens, precision=self.precision, save=self.save,
-                                        device=device)
-        return self._workspace
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -40,17 +35,25 @@ class MegaMoEExperts(nn.Module):
 def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """Experts forward for any module holding gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     (megamoe's MegaMoEExperts or transformers' Qwen3MoeExperts)."""
-    ws = getattr(experts, "_megamoe_workspace", None)
-    if isinstance(experts, MegaMoEExperts):
-        ws = experts.workspace(hidden_states.device)
-    elif ws is None or ws.device != hidden_states.device:
-        E, two_i, H = experts.gate_up_proj.shape
-        cfg = getattr(experts, "_megamoe_config", {})
-        ws = Workspace(H, two_i // 2, E, top_k_index.shape[-1], device=hidden_states.device,
-                       max_tokens=cfg.get("max_tokens", max(1, hidden_states.shape[0])),
-                       precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"))
-        experts._megamoe_workspace = ws
-    return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, workspace=ws)
+    cfg = getattr(experts, "_megamoe_config", {})
+    precision, save = cfg.get("precision", "bf16"), cfg.get("save", "keep")
+    if hidden_states.is_cuda and not torch.compiler.is_compiling():
+        _register_scratch(experts, hidden_states.device, top_k_index.shape[-1], cfg)
+    return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
+               precision=precision, save=save)
+
+
+def _register_scratch(experts: nn.Module, device: torch.device, top_k: int, cfg: dict) -> None:
+    # Once per layer and device: the shared scratch is then sized for the
+    # largest registered layer at its max_tokens (no regrowth mid-training).
+    registered = experts.__dict__.setdefault("_megamoe_registered", set())
+    if device in registered or "max_tokens" not in cfg:
+        return
+    E, two_i, H = experts.gate_up_proj.shape
+    scratch, _ = buffer_sizes(cfg["max_tokens"], H, two_i // 2, E, top_k, precision=cfg.get("precision", "bf16"),
+                              save=cfg.get("save", "keep"))
+    reserve_scratch(device, scratch)
+    registered.add(device)
 
 
 class MoE(nn.Module):
@@ -58,7 +61,7 @@ class MoE(nn.Module):
     optional renormalisation of the k weights."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
-                 precision: str = "bf16", save: str = "keep", max_tokens: int = 16384, device=None, dtype=None):
+                 precision: str = "bf16", save: str = "keep", max_tokens: int | None = None, device=None, dtype=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
@@ -92,7 +95,9 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
             continue
         if isinstance(module, MegaMoEExperts):
             continue
-        module._megamoe_config = {"precision": precision, "save": save, "max_tokens": max_tokens or 16384}
+        module._megamoe_config = {"precision": precision, "save": save}
+        if max_tokens is not None:
+            module._megamoe_config["max_tokens"] = max_tokens
         module.forward = _bound_forward(module)
         count += 1
     if count == 0:

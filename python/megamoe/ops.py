@@ -7,209 +7,264 @@ x [T, H]; topk_idx [T, k] (int32 or int64, -1 = no route); topk_weights
 CUDA tensors (bf16) run the CUDA layer; CPU tensors the C++ reference
 (bf16 emulates the GPU's rounding; float32/float64 run exact fp64 math).
 
-Design: two custom ops, megamoe::moe_fwd and megamoe::moe_bwd. The forward
-leaves its pools (the saved activations) in a per-layer Workspace together
-with the identity of its inputs (storage pointers, shapes, version
-counters); the backward uses them when its inputs are those same tensors,
-unmodified, and otherwise recomputes the forward first. So both ops stay pure
-functions of their inputs for autograd, activation checkpointing and
-torch.compile, and the usual case pays for no recomputation.
+Memory (DESIGN.md section 3): the library keeps no state between calls.
+  - The forward op returns, beside y, a `saved` uint8 tensor (the routing
+    plan and z) allocated through PyTorch's allocator; autograd saves it with
+    the inputs and hands it to the backward op. So activation checkpointing
+    frees and recreates it, torch.cuda.max_memory_allocated counts it, and a
+    backward can only ever see its own forward's state. It is empty with
+    save="recompute", on CPU, and when no gradient is needed (no_grad,
+    inference_mode).
+  - Scratch (pools, combine slots) is one torch uint8 tensor per (device,
+    stream), shared by every layer, grown to the largest call (or the largest
+    layer registered with reserve_scratch) and never duplicated per layer.
+Errors the kernels find (a bad expert id, a timed-out wait) are raised by the
+next megamoe call on that device that starts after the failing kernel ran, by
+megamoe.check(), or by the call itself with validate=True / MEGAMOE_CHECK=1.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import itertools
+import os
 import threading
-import weakref
 
 import torch
 
 from . import _lib
 
-# Weak: a Workspace lives as long as its owner (a module, the cache below) keeps it.
-_HANDLES: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
-_NEXT_ID = itertools.count(1)
+_BUFFER_ALIGN = 256
+
+
+def _align(n):
+    return (n + _BUFFER_ALIGN - 1) // _BUFFER_ALIGN * _BUFFER_ALIGN
+
+
+def pool_capacity(T, E: int, k: int):
+    """Rows of the expert-major pool: align128(T * min(k, E) + 127 * E) (core/layer_buffers.h)."""
+    return (T * min(k, E) + 127 * E + 127) // 128 * 128
+
+
+def saved_bytes(T, H: int, I: int, E: int, k: int):
+    """Bytes of the saved buffer (plan + z) of a call of T tokens: the SavedLayout of
+    src/core/layer_buffers.h, in Python so that fake tensors (symbolic T) get it too.
+    tests check it equals the library's megamoe_buffer_sizes."""
+    C = pool_capacity(T, E, k)
+    offset = 0
+    for size in (8, 4 * E, 4 * (E + 1), 4 * (C // 128), 4 * T * k, 4 * C, 2 * C * 2 * I):
+        offset = _align(offset) + size
+    return _align(offset)
+
+
+def _config(H: int, I: int, E: int, k: int, precision: str, save: str, validate: bool) -> _lib.Config:
+    return _lib.Config(H, I, E, k, 0, 1, _lib.PRECISIONS[precision], _lib.SAVE_POLICIES[save],
+                       1 if validate else 0, 0, 0)
+
+
+def buffer_sizes(T: int, H: int, I: int, E: int, k: int, *, precision: str = "bf16", save: str = "keep",
+                 will_backward: bool = True) -> tuple[int, int]:
+    """(scratch bytes, saved bytes) the library needs for a call of T tokens."""
+    scratch, saved = ctypes.c_uint64(), ctypes.c_uint64()
+    _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(_config(H, I, E, k, precision, save, False)), T,
+                                               1 if will_backward else 0, ctypes.byref(scratch),
+                                               ctypes.byref(saved)))
+    return scratch.value, saved.value
+
+
+# ---- shared scratch -----------------------------------------------------------
 _LOCK = threading.Lock()
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> uint8 tensor
+_RESERVED: dict[int, int] = {}  # device index -> bytes of the largest registered layer
 
 
-class Workspace:
-    """One layer's device workspace (or CPU handle), sized once for max_tokens."""
-
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, max_tokens: int,
-                 precision: str = "bf16", save: str = "keep", device: torch.device | str = "cpu"):
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
-            if value not in table:
-                raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
-        cfg = _lib.Config(hidden, intermediate, num_experts, top_k, 0, 1, max_tokens, _lib.PRECISIONS[precision],
-                          _lib.SAVE_POLICIES[save], _lib.BACKENDS["cuda" if device.type == "cuda" else "cpu"],
-                          (device.index or 0) if device.type == "cuda" else 0)
-        handle = ctypes.c_void_p()
-        _lib.check(_lib.lib().megamoe_workspace_create(ctypes.byref(cfg), ctypes.byref(handle)))
-        self._handle = handle
-        self.shape = (hidden, intermediate, num_experts, top_k)
-        self.max_tokens, self.precision, self.save, self.device = max_tokens, precision, save, device
-        with _LOCK:
-            self.id = next(_NEXT_ID)
-            _HANDLES[self.id] = self
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes held (0 for a CPU handle)."""
-        return int(_lib.lib().megamoe_workspace_bytes(self._handle))
-
-    def check_device_errors(self) -> None:
-        """Synchronises the current stream; raises if the device found bad routing (ids out of range, duplicates)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        _lib.check(_lib.lib().megamoe_check_device_errors(self._handle, stream))
-
-    def close(self) -> None:
-        if self._handle:
-            with _LOCK:
-                _HANDLES.pop(self.id, None)
-            _lib.lib().megamoe_workspace_destroy(self._handle)
-            self._handle = ctypes.c_void_p()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+def reserve_scratch(device: torch.device | str | int, nbytes: int) -> None:
+    """Registers a layer's scratch need on `device`: the next scratch allocated
+    there is at least this large (so layers of different sizes cause no regrowth)."""
+    index = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    index = index.index if index.index is not None else torch.cuda.current_device()
+    with _LOCK:
+        _RESERVED[index] = max(_RESERVED.get(index, 0), int(nbytes))
 
 
+def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    with _LOCK:
+        buf = _SCRATCH.get(key)
+        if buf is None or buf.numel() < nbytes:
+            # The old buffer goes back to PyTorch's caching allocator, which
+            # reuses it only after the work queued on this stream.
+            size = max(nbytes, _RESERVED.get(device.index, 0))
+            buf = _SCRATCH[key] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf
+
+
+def memory_stats() -> dict:
+    """Device bytes megamoe holds between calls (the shared scratch buffers)."""
+    with _LOCK:
+        return {"scratch_bytes": sum(t.numel() for t in _SCRATCH.values()), "scratch_buffers": len(_SCRATCH)}
+
+
+def release_scratch() -> None:
+    """Drops the shared scratch buffers (they go back to PyTorch's allocator)."""
+    with _LOCK:
+        _SCRATCH.clear()
+
+
+def check(device: torch.device | str | int | None = None) -> None:
+    """Waits for the current stream of `device` (default: the current CUDA device)
+    and raises MegaMoEError for any error the kernels found there."""
+    if not torch.cuda.is_available():
+        return
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else (
+        torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index).cuda_stream
+    _lib.check(_lib.lib().megamoe_check(index, stream))
+
+
+# ---- the ops --------------------------------------------------------------------
 def _desc(t: torch.Tensor) -> _lib.Tensor:
-    if t.dim() > 4:
-        raise ValueError(f"megamoe: tensors have at most 4 dims, got {tuple(t.shape)}")
     dtype = str(t.dtype).replace("torch.", "")
-    if dtype not in _lib.DTYPE_CODES:
-        raise TypeError(f"megamoe: unsupported dtype {t.dtype}")
     shape = (ctypes.c_int64 * 4)(*(list(t.shape) + [0] * (4 - t.dim())))
     return _lib.Tensor(t.data_ptr(), _lib.DTYPE_CODES[dtype], 1 if t.is_cuda else 0,
                        (t.device.index or 0) if t.is_cuda else 0, t.dim(), shape)
 
 
-def _stream(t: torch.Tensor):
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+def _buffer(t: torch.Tensor | None) -> _lib.Buffer:
+    return _lib.Buffer(None, 0) if t is None or t.numel() == 0 else _lib.Buffer(t.data_ptr(), t.numel())
 
 
-def _on_device(t: torch.Tensor):
-    # Kernels launch on the current device: make it the tensors' one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _dims(x: torch.Tensor, topk_idx: torch.Tensor, w13: torch.Tensor) -> tuple[int, int, int, int]:
+    E, two_i, H = w13.shape
+    return H, two_i // 2, E, topk_idx.shape[1]
 
 
-def _dense(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    # The library reads row-major memory: views with other strides are copied.
-    return [t.contiguous() for t in tensors]
-
-
-def _empty(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-def _workspace(handle: int) -> Workspace:
-    ws = _HANDLES.get(handle)
-    if ws is None:
-        raise RuntimeError(f"megamoe: workspace {handle} does not exist (closed?)")
-    return ws
-
-
-def _identity(*tensors: torch.Tensor) -> tuple:
-    return tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version) for t in tensors)
+def _validate_flag(validate: bool) -> bool:
+    return validate or os.environ.get("MEGAMOE_CHECK", "0") not in ("", "0")
 
 
 @torch.library.custom_op("megamoe::moe_fwd", mutates_args=())
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, handle: int) -> torch.Tensor:
-    ws = _workspace(handle)
-    x, topk_idx, topk_weights, w13, w2 = _dense(x, topk_idx, topk_weights, w13, w2)
-    y = _empty(x)
-    epoch = ctypes.c_uint64()
-    args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
-    with _on_device(x):
-        _lib.check(_lib.lib().megamoe_forward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x),
-                                                ctypes.byref(epoch)))
-    ws._saved = (_identity(x, topk_idx, topk_weights, w13, w2), epoch.value)
-    return y
+            w2: torch.Tensor, precision: str, save_state: bool, validate: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_idx, topk_weights, w13, w2))
+    H, I, E, k = _dims(x, topk_idx, w13)
+    T = x.shape[0]
+    keep = save_state and x.is_cuda
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    saved = torch.empty(saved_bytes(T, H, I, E, k) if keep else 0, dtype=torch.uint8, device=x.device)
+    cfg = _config(H, I, E, k, precision, "keep" if keep else "recompute", _validate_flag(validate))
+    scratch = None
+    with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+        if x.is_cuda:
+            scratch_need, saved_need = buffer_sizes(T, H, I, E, k, precision=precision,
+                                                    save="keep" if keep else "recompute", will_backward=keep)
+            assert saved_need == saved.numel(), (saved_need, saved.numel())  # the Python layout mirrors the C++ one
+            scratch = _scratch(x.device, scratch_need)
+        args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+        _lib.check(_lib.lib().megamoe_forward(ctypes.byref(cfg), *[ctypes.byref(a) for a in args],
+                                              ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)), stream))
+    return y, saved
 
 
 @moe_fwd.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, handle):
-    return torch.empty_like(x)
+def _(x, topk_idx, topk_weights, w13, w2, precision, save_state, validate):
+    H, I, E, k = _dims(x, topk_idx, w13)
+    keep = save_state and x.device.type == "cuda"
+    n = saved_bytes(x.shape[0], H, I, E, k) if keep else 0
+    return torch.empty_like(x), x.new_empty(n, dtype=torch.uint8)
 
 
 @torch.library.custom_op("megamoe::moe_bwd", mutates_args=())
 def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            w13: torch.Tensor, w2: torch.Tensor, handle: int
+            w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, precision: str, validate: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    ws = _workspace(handle)
-    dy, x, topk_idx, topk_weights, w13, w2 = _dense(dy, x, topk_idx, topk_weights, w13, w2)
-    dx, dtw, dw13, dw2 = _empty(x), _empty(topk_weights), _empty(w13), _empty(w2)
-    saved_identity, saved_epoch = getattr(ws, "_saved", (None, 0))
-    # Epoch 0 never names a forward: the library then recomputes this one first.
-    epoch = saved_epoch if saved_identity == _identity(x, topk_idx, topk_weights, w13, w2) else 0
-    args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
-    with _on_device(x):
-        _lib.check(_lib.lib().megamoe_backward_t(ws._handle, *[ctypes.byref(a) for a in args], _stream(x), epoch))
+    dy, x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (dy, x, topk_idx, topk_weights, w13, w2))
+    H, I, E, k = _dims(x, topk_idx, w13)
+    T = x.shape[0]
+    dx, dtw = torch.empty_like(x), torch.empty_like(topk_weights)
+    dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+    keep = saved.numel() > 0
+    cfg = _config(H, I, E, k, precision, "keep" if keep else "recompute", _validate_flag(validate))
+    scratch = None
+    with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+        if x.is_cuda:
+            scratch = _scratch(x.device, buffer_sizes(T, H, I, E, k, precision=precision,
+                                                      save="keep" if keep else "recompute")[0])
+        args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+        _lib.check(_lib.lib().megamoe_backward(ctypes.byref(cfg), *[ctypes.byref(a) for a in args],
+                                               ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)), stream))
     return dx, dtw, dw13, dw2
 
 
 @moe_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, handle):
+def _(dy, x, topk_idx, topk_weights, w13, w2, saved, precision, validate):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2))
 
 
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weights, w13, w2, handle = inputs
-    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
-    ctx.handle = handle
+    x, topk_idx, topk_weights, w13, w2, precision, save_state, validate = inputs
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, output[1])
+    ctx.precision, ctx.validate = precision, validate
 
 
-def _backward(ctx, dy):
-    x, topk_idx, topk_weights, w13, w2 = ctx.saved_tensors
-    dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, ctx.handle)
-    return dx, None, dtw, dw13, dw2, None
+def _backward(ctx, dy, _dsaved):
+    x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
+    dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, saved, ctx.precision,
+                                 ctx.validate)
+    return dx, None, dtw, dw13, dw2, None, None, None
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup_context)
 
-_CACHE: dict[tuple, Workspace] = {}
 
-
-def _cached_workspace(x, w13, top_k, precision, save, max_tokens) -> Workspace:
-    # One workspace per (device, shape, precision), grown to the largest token
-    # count seen. Layers sharing it recompute their forward in the backward:
-    # give each layer its own Workspace (MoE and use_megamoe_experts do).
-    E, two_i, H = w13.shape
-    key = (x.device, H, two_i // 2, E, top_k, precision, save)
-    ws = _CACHE.get(key)
-    if ws is None or ws.max_tokens < max_tokens:
-        ws = _CACHE[key] = Workspace(H, two_i // 2, E, top_k, max_tokens=max_tokens, precision=precision, save=save,
-                                     device=x.device)
-    return ws
+def _check_shapes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"megamoe: x: expected [T, H], got shape {list(x.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"megamoe: topk_idx and topk_weights: expected [T, k] with T = {x.shape[0]} (x's rows), got "
+                         f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
+    for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+        if w.dim() != 3:
+            raise ValueError(f"megamoe: {name}: expected 3 dims {layout}, got shape {list(w.shape)}")
+    H = x.shape[1]
+    E, _, I = w2.shape
+    if tuple(w2.shape[:2]) != (w13.shape[0], H):
+        raise ValueError(f"megamoe: w2: expected [E, H, I] = [{w13.shape[0]}, {H}, I] (E from w13, H from x), "
+                         f"got {list(w2.shape)}")
+    if tuple(w13.shape) != (E, 2 * I, H):
+        raise ValueError(f"megamoe: w13: expected [E, 2I, H] = [{E}, {2 * I}, {H}] (I = {I} from w2 {list(w2.shape)}, "
+                         f"H from x), got {list(w13.shape)}")
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-        *, precision: str = "bf16", save: str = "keep", group=None, workspace: Workspace | None = None,
-        max_tokens: int | None = None) -> torch.Tensor:
+        *, precision: str = "bf16", save: str = "keep", group=None, validate: bool = False) -> torch.Tensor:
     """Mixture-of-experts layer: y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t].
 
-    `workspace` (one per layer, see Workspace) holds the saved activations and
-    the device buffers; without one, a workspace cached per (shape, device,
-    precision, max_tokens) is used. `group`: expert-parallel process group;
-    only a single rank is supported so far.
+    save: "keep" (the backward reuses the forward's routing plan and z, held in a
+    tensor autograd saves) or "recompute" (nothing beyond the inputs is saved).
+    validate (or env MEGAMOE_CHECK=1): synchronise and raise device-found errors
+    in this call. `group`: expert-parallel process group; one rank so far.
     """
     if group is not None and getattr(group, "size", lambda: 1)() != 1:
         raise NotImplementedError("megamoe: expert parallelism over several ranks (group size > 1) is not built yet")
-    if x.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:
-        raise ValueError(f"megamoe: expected x [T, H], topk_idx and topk_weights [T, k]; got {tuple(x.shape)}, "
-                         f"{tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
+    for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
+        if value not in table:
+            raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
+    _check_shapes(x, topk_idx, topk_weights, w13, w2)
     if x.is_cuda and x.dtype != torch.bfloat16:
         raise TypeError(f"megamoe: CUDA tensors must be bfloat16, got {x.dtype}")
-    if workspace is None:
-        workspace = _cached_workspace(x, w13, topk_idx.shape[1], precision, save, max_tokens or max(1, x.shape[0]))
     orig = x.dtype
     # CPU float32 runs the reference's exact fp64 math; bf16 keeps the GPU's rounding.
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16
@@ -217,7 +272,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     # int64 ids are clamped to [-2, E] before narrowing, so a huge id stays out of range (an error), never wraps.
     E = w13.shape[0]
     idx32 = (topk_idx.clamp(-2, E) if topk_idx.dtype == torch.int64 else topk_idx).to(torch.int32)
-    y = moe_fwd(x.to(compute).contiguous(), idx32.contiguous(),
-                   topk_weights.to(wdtype).contiguous(), w13.to(compute).contiguous(), w2.to(compute).contiguous(),
-                   workspace.id)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
+    y, _ = moe_fwd(x.to(compute), idx32, topk_weights.to(wdtype), w13.to(compute), w2.to(compute), precision,
+                   needs_grad and save == "keep", validate)
     return y.to(orig)

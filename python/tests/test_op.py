@@ -40,24 +40,53 @@ def test_bf16_on_cpu_emulates_the_gpu_rounding():
 
 def test_opcheck():
     x, idx, w, w13, w2 = random_inputs(T=5)
-    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=5)
-    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, ws.id))
+    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, "bf16", True, False))
 
 
-def test_backward_after_another_forward_recomputes_and_stays_right():
-    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
-    a, b = random_inputs(seed=1), random_inputs(seed=2)
-    ya = megamoe.moe(*a, workspace=ws)
-    yb = megamoe.moe(*b, workspace=ws)  # the workspace now holds b's forward
+def test_interleaved_calls_of_different_sizes_are_exact():
+    # Each backward gets its own forward's state through autograd: a later,
+    # larger call in between cannot disturb it (no shared per-layer state).
+    a, b = random_inputs(T=7, seed=1), random_inputs(T=20, seed=2)
+    ya = megamoe.moe(*a)
+    yb = megamoe.moe(*b)
     ya.sum().backward()
     yb.sum().backward()
-    ref = random_inputs(seed=1)
-    moe_reference(*ref).sum().backward()
-    torch.testing.assert_close(a[3].grad, ref[3].grad, rtol=1e-10, atol=1e-12)
+    for inputs, seed, T in ((a, 1, 7), (b, 2, 20)):
+        ref = random_inputs(T=T, seed=seed)
+        moe_reference(*ref).sum().backward()
+        for got, want in zip((inputs[0], inputs[2], inputs[3], inputs[4]), (ref[0], ref[2], ref[3], ref[4])):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_inference_needs_no_autograd(mode):
+    x, idx, w, w13, w2 = random_inputs()
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        y = megamoe.moe(x, idx, w, w13, w2)
+        layer = megamoe.MoE(128, 128, 4, 2, dtype=torch.float64)
+        out = layer(torch.randn(3, 5, 128, dtype=torch.float64))
+    torch.testing.assert_close(y, moe_reference(x, idx, w, w13, w2).detach(), rtol=1e-10, atol=1e-12)
+    assert not y.requires_grad and out.shape == (3, 5, 128)
+
+
+def test_saved_layout_in_python_matches_the_library():
+    # The fake (symbolic) forward sizes the saved tensor in Python: it must equal the C++ layout.
+    for T, H, I, E, k in [(1, 128, 128, 4, 2), (300, 256, 128, 8, 2), (16384, 2048, 768, 128, 8),
+                          (257, 4096, 1536, 128, 8), (10, 128, 256, 4, 4), (0, 128, 128, 16, 4)]:
+        assert megamoe.ops.saved_bytes(T, H, I, E, k) == megamoe.buffer_sizes(T, H, I, E, k)[1], (T, H, I, E, k)
+        assert megamoe.buffer_sizes(T, H, I, E, k, save="recompute")[1] == 0
+        assert megamoe.buffer_sizes(T, H, I, E, k, will_backward=False)[1] == 0
+
+
+def test_sizes_that_overflow_are_errors():
+    for tokens in (2 ** 62, 2 ** 63 - 1, 536870912):
+        with pytest.raises(megamoe.MegaMoEError, match=r"max_tokens_per_rank \* top_k = 1 \* \d+ \* 8 exceeds 2\^30"):
+            megamoe.buffer_sizes(tokens, 2048, 768, 128, 8)
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    layer = megamoe.MoE(128, 128, 4, 2, max_tokens=16, dtype=torch.float64)
+    layer = megamoe.MoE(128, 128, 4, 2, dtype=torch.float64)
     h = torch.randn(2, 8, 128, dtype=torch.float64, requires_grad=True)
     layer(h).square().sum().backward()
     plain = [h.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
@@ -70,7 +99,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_compile_without_graph_breaks():
-    layer = megamoe.MoE(128, 128, 4, 2, max_tokens=16, dtype=torch.float64)
+    layer = megamoe.MoE(128, 128, 4, 2, dtype=torch.float64)
     h = torch.randn(16, 128, dtype=torch.float64, requires_grad=True)
     eager_y = layer(h)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
@@ -80,20 +109,39 @@ def test_compile_without_graph_breaks():
     assert h.grad is not None and torch.isfinite(h.grad).all()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_cold_fullgraph(checkpointing, dynamic):
+    # A freshly built layer compiled before any eager call (what a trainer does).
+    torch._dynamo.reset()
+    layer = megamoe.MoE(128, 128, 4, 2, dtype=torch.float64)
+    fn = (lambda h: checkpoint(layer, h, use_reentrant=False)) if checkpointing else layer
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for T in (16, 24):
+        h = torch.randn(T, 128, dtype=torch.float64, requires_grad=True)
+        y = compiled(h)
+        y.square().sum().backward()
+        h2 = h.detach().clone().requires_grad_()
+        layer(h2).square().sum().backward()
+        torch.testing.assert_close(h.grad, h2.grad)
+
+
 def test_bad_inputs_give_clear_errors():
     x, idx, w, w13, w2 = random_inputs()
     bad = idx.clone()
     bad[1, 0] = 9
     with pytest.raises(megamoe.MegaMoEError, match=r"topk_idx\[1,0\] = 9 is out of range"):
         megamoe.moe(x, bad, w, w13, w2)
-    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=4)
-    with pytest.raises(megamoe.MegaMoEError, match="exceeds max_tokens_per_rank = 4"):
-        megamoe.moe(x, idx, w, w13, w2, workspace=ws)
-    ws7 = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
-    with pytest.raises(megamoe.MegaMoEError, match=r"w13: expected shape \[4, 256, 128\], got \[4, 128, 128\]"):
-        megamoe.moe(x, idx, w, w13[:, :128], w2, workspace=ws7)
+    with pytest.raises(ValueError, match=r"w13: expected \[E, 2I, H\] = \[4, 256, 128\] \(I = 128 from w2"):
+        megamoe.moe(x, idx, w, w13[:, :128], w2)  # [E, I, H]
+    with pytest.raises(ValueError, match=r"w13: expected \[E, 2I, H\] = \[4, 256, 128\]"):
+        megamoe.moe(x, idx, w, w13.transpose(1, 2), w2)  # [E, H, 2I]
+    with pytest.raises(ValueError, match=r"w13: expected 3 dims \[E, 2I, H\], got shape \[4, 32768\]"):
+        megamoe.moe(x, idx, w, w13.reshape(4, -1), w2)
+    with pytest.raises(ValueError, match=r"w2: expected \[E, H, I\] = \[4, 128, I\]"):
+        megamoe.moe(x, idx, w, w13, w2.transpose(0, 1))
     with pytest.raises(ValueError, match="precision='fp16'"):
-        megamoe.Workspace(128, 128, 4, 2, max_tokens=4, precision="fp16")
+        megamoe.moe(x, idx, w, w13, w2, precision="fp16")
 
 
 @cuda_only
@@ -101,19 +149,18 @@ def test_cuda_matches_cpu_reference_and_adds_no_host_sync():
     cpu = random_inputs(T=300, H=256, I=128, E=8, k=2, dtype=torch.bfloat16)
     gpu = random_inputs(T=300, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
     ref = grads(megamoe.moe, cpu)
-    ws = megamoe.Workspace(256, 128, 8, 2, max_tokens=300, device="cuda")
-    megamoe.moe(*gpu, workspace=ws)  # warm-up: module load, tensor-map encoder
+    megamoe.moe(*gpu)  # warm-up: module load, tensor-map encoder, scratch
     for t in gpu:
         t.grad = None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ours = grads(lambda *a: megamoe.moe(*a, workspace=ws), gpu)
+        ours = grads(megamoe.moe, gpu)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for a, b in zip(ours, ref):
         err = (a.cpu().double() - b.double()).norm() / b.double().norm()
         assert err < 1e-2, err
-    ws.check_device_errors()
+    megamoe.check()
 
 
 @cuda_only
@@ -121,14 +168,13 @@ def test_cuda_forward_backward_capture_in_a_graph():
     gpu = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", drop=False)
     x, idx, w, w13, w2 = (t.detach() for t in gpu)
     w = w.float()  # the raw op takes fp32 routing weights (megamoe.moe casts)
-    ws = megamoe.Workspace(256, 128, 8, 2, max_tokens=256, device="cuda")
     dy = torch.randn_like(x)
-    eager_y = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, ws.id)
-    eager = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, ws.id)
+    eager_y, eager_saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, "bf16", True, False)
+    eager = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, eager_saved, "bf16", False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, ws.id)
-        g = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, ws.id)
+        y, saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, "bf16", True, False)
+        g = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, saved, "bf16", False)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager_y)
@@ -143,14 +189,13 @@ def test_cuda_autograd_step_captured_in_a_graph():
     # compared bitwise with the same step run eagerly.
     x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16,
                                        device="cuda", drop=False)
-    ws = megamoe.Workspace(256, 128, 8, 2, max_tokens=256, device="cuda")
     dy = torch.randn(x.shape, device="cuda", dtype=x.dtype)
     params = (x, w, w13, w2)
 
     def step():
         for t in params:
             t.grad = None
-        megamoe.moe(x, idx, w, w13, w2, workspace=ws).backward(dy)
+        megamoe.moe(x, idx, w, w13, w2).backward(dy)
 
     step()
     eager = [t.grad.clone() for t in params]
@@ -164,22 +209,21 @@ def test_cuda_autograd_step_captured_in_a_graph():
     for t in params:
         t.grad = None
     with torch.cuda.graph(graph):
-        megamoe.moe(x, idx, w, w13, w2, workspace=ws).backward(dy)
+        megamoe.moe(x, idx, w, w13, w2).backward(dy)
     for t in params:
         t.grad.zero_()
     graph.replay()
     torch.cuda.synchronize()
     for t, ref in zip(params, eager):
         assert torch.equal(t.grad, ref)
-    ws.check_device_errors()
+    megamoe.check()
 
 
 def test_strided_inputs_and_huge_ids():
     x, idx, w, w13, w2 = random_inputs()
     xt = x.detach().t().contiguous().t()  # same values, column-major
     y_ref = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
-    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
-    y = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), ws.id)
+    y, _ = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), "bf16", False, False)
     torch.testing.assert_close(y, y_ref)
     assert y.is_contiguous()
     huge = idx.long()
@@ -188,12 +232,59 @@ def test_strided_inputs_and_huge_ids():
         megamoe.moe(x, huge, w, w13, w2)
 
 
-def test_workspaces_are_freed_with_their_owner():
-    import gc
-    from megamoe import ops
-    ws = megamoe.Workspace(128, 128, 4, 2, max_tokens=7)
-    wid = ws.id
-    assert wid in ops._HANDLES
-    del ws
-    gc.collect()
-    assert wid not in ops._HANDLES
+@cuda_only
+def test_cuda_interleaved_calls_share_scratch_and_keep_their_own_state():
+    # Two layers' forwards, then their backwards in reverse, with a larger call
+    # in between that grows the shared scratch: gradients equal isolated runs.
+    a = random_inputs(T=300, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", seed=1)
+    b = random_inputs(T=700, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", seed=2)
+    alone = [grads(megamoe.moe, inputs) for inputs in (a, b)]
+    for t in a + b:
+        t.grad = None
+    megamoe.release_scratch()
+    ya = megamoe.moe(*a)
+    yb = megamoe.moe(*b)  # larger: the scratch grows
+    for y, inputs, ref in ((yb, b, alone[1]), (ya, a, alone[0])):
+        dy = torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
+        (y * dy).sum().backward()
+        for got, want in zip([inputs[0].grad, inputs[2].grad, inputs[3].grad, inputs[4].grad], ref[1:]):
+            assert torch.equal(got, want)
+    assert megamoe.memory_stats()["scratch_buffers"] == 1
+    megamoe.check()
+
+
+@cuda_only
+def test_cuda_bad_ids_raise_at_the_next_call_at_check_and_with_validate(monkeypatch):
+    x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda",
+                                       drop=False)
+    bad = idx.clone()
+    bad[5, 1] = 8  # E = 8: out of range
+    pattern = r"topk_idx\[5,1\] = 8 is out of range \[-1, num_experts = 8\)"
+    y = megamoe.moe(x.detach(), bad, w.detach(), w13.detach(), w2.detach())  # no exception, no sync
+    with pytest.raises(megamoe.MegaMoEError, match=pattern):
+        megamoe.check()
+    assert torch.isnan(y).all()
+    megamoe.moe(x.detach(), bad, w.detach(), w13.detach(), w2.detach())
+    torch.cuda.synchronize()  # the failing kernel has run: the next call raises
+    with pytest.raises(megamoe.MegaMoEError, match=pattern):
+        megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
+    with pytest.raises(megamoe.MegaMoEError, match=pattern):
+        megamoe.moe(x.detach(), bad, w.detach(), w13.detach(), w2.detach(), validate=True)
+    monkeypatch.setenv("MEGAMOE_CHECK", "1")
+    with pytest.raises(megamoe.MegaMoEError, match=pattern):
+        megamoe.moe(x.detach(), bad, w.detach(), w13.detach(), w2.detach())
+    monkeypatch.delenv("MEGAMOE_CHECK")
+    megamoe.check()  # nothing left pending
+    y = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
+    assert torch.isfinite(y).all()
+
+
+@cuda_only
+def test_cuda_inference_saves_nothing():
+    x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        megamoe.moe(x, idx, w, w13, w2)  # warm-up: scratch
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = megamoe.moe(x, idx, w, w13, w2)
+        assert torch.cuda.memory_allocated() - before == y.numel() * y.element_size()

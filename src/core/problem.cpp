@@ -28,11 +28,13 @@ Status validate_problem(const MoeProblem& p) {
     return bad("max_tokens_per_rank = " + std::to_string(p.max_tokens_per_rank) + " is negative");
   if (p.max_tokens_per_rank > 0 && p.num_tokens > p.max_tokens_per_rank)
     return capacity_error("num_tokens = " + std::to_string(p.num_tokens) + " exceeds max_tokens_per_rank = " +
-                          std::to_string(p.max_tokens_per_rank) + " (the size the workspace was built for)");
+                          std::to_string(p.max_tokens_per_rank) + " (the bound the caller set)");
   // Pool row indices and combine-slot indices are int32 on the device.
-  const int64_t worst_rows = static_cast<int64_t>(p.ep_size) * p.token_capacity() * p.top_k;
-  if (worst_rows > (int64_t{1} << 30))
-    return bad("ep_size * max_tokens_per_rank * top_k = " + std::to_string(worst_rows) +
+  int64_t worst_rows = 0;
+  if (__builtin_mul_overflow(static_cast<int64_t>(p.ep_size), p.token_capacity(), &worst_rows) ||
+      __builtin_mul_overflow(worst_rows, static_cast<int64_t>(p.top_k), &worst_rows) || worst_rows > (int64_t{1} << 30))
+    return bad("ep_size * max_tokens_per_rank * top_k = " + std::to_string(p.ep_size) + " * " +
+               std::to_string(p.token_capacity()) + " * " + std::to_string(p.top_k) +
                " exceeds 2^30 routed rows per rank");
   return Status::Ok();
 }
