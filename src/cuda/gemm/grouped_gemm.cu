@@ -40,9 +40,23 @@ struct ModeTraits {
   static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
   static constexpr int kStagingBytes = kStaged ? kBlockM * (kBlockN + kStagePad) * 2 : 0;  // per consumer
   // Shared memory: [align pad][stages][staging x 2][full, empty, order mbarriers][tile_src: 2 x 128 x int32]
+  // [abort flag: u32, padded to 16 bytes]
   static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + 2 * kStagingBytes + (2 * kStages + 2) * 8 + 2 * kBlockM * 4;
+      1024 + kStages * kStageBytes + 2 * kStagingBytes + (2 * kStages + 2) * 8 + 2 * kBlockM * 4 + 16;
 };
+
+// The KernelId a timed-out wait of mode M reports.
+template <GemmMode M>
+constexpr uint32_t kernel_id() {
+  switch (M) {
+    case GemmMode::kGateUp: return kKernelGemmGateUp;
+    case GemmMode::kDown: return kKernelGemmDown;
+    case GemmMode::kDownGrad: return kKernelGemmDownGrad;
+    case GemmMode::kGateUpGrad: return kKernelGemmGateUpGrad;
+    case GemmMode::kWeightGrad: return kKernelGemmWeightGrad;
+  }
+  return kKernelCount;
+}
 
 struct KernelParams {
   GroupedGemmArgs args;
@@ -166,6 +180,65 @@ __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int 
     const int r = c / chunks, cc = c % chunks;
     __nv_bfloat16* dst = dst_row(r, cc);
     if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
+  }
+}
+
+// ---- bounded waits ------------------------------------------------------------
+// Every mbarrier wait of the kernel goes through wait_phase: poll try_wait
+// (which itself suspends the thread for a hardware-chosen while); after a
+// failed poll, look at the clock. A wait that has lasted longer than its bound
+// sets the CTA's shared abort flag, reports (kernel, block, barrier, phase,
+// waited) to args.errors (the first report per device wins) and returns
+// false; so does, promptly, every other wait of the CTA that finds the flag
+// set and its own barrier still incomplete kAbortGraceNs later. A caller that
+// gets false returns from the kernel (a consumer first retires its wgmma
+// groups). No trap: the CUDA context stays usable and the host learns of it
+// from take_device_error (kTimeout).
+//
+// Bounds: full waits (the consumers waiting for loaded stages) give up after
+// timeout_ns; empty and order waits (the producer waiting for consumers, a
+// consumer for the other one) after 2 x timeout_ns. Those are downstream of a
+// stalled full wait, so the wait nearest the cause reports and the others
+// then leave through the abort flag.
+//
+// `phase` in the report is the CTA's running stage iteration `it` at the
+// wait: ring stage it % kStages, parity (it / kStages) & 1 (the same numbering
+// as debug_stall_at). For an order wait it is the `it` of the first stage of
+// the tile the consumer is about to start.
+//
+// The grace after seeing the flag: a thread leaves only when its barrier has
+// not completed for that long, so a TMA load issued just before the abort has
+// landed before the CTA's shared memory goes away (loads take microseconds).
+//
+// What stays unbounded: the named barriers of an epilogue (bar.sync among one
+// consumer warpgroup) and the warpgroup-wide (.aligned) wgmma instructions
+// cannot time out. All warps of a consumer warpgroup wait on the same
+// mbarrier phase at the same place and give up there together; but if that
+// phase completes in the instant between one warp giving up and another
+// warp's next poll, the second warp goes on alone and can block for good in
+// bar.sync or wgmma. That needs a phase to complete just as it times out,
+// i.e. a pipeline that was seconds late rather than stuck.
+constexpr uint64_t kAbortGraceNs = 1'000'000;  // 1 ms
+
+template <GemmMode M>
+__device__ __forceinline__ bool wait_phase(const KernelParams& p, uint32_t* abort_flag, uint64_t* bar, uint32_t parity,
+                                           BarrierId barrier, uint32_t phase) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t start = global_timer_ns();
+  uint64_t leave_at = ~uint64_t{0};  // set once the abort flag is seen
+  for (;;) {
+    if (mbar_try_wait(bar, parity)) return true;
+    const uint64_t now = global_timer_ns();
+    if (now >= leave_at) return false;
+    // Shared-memory atomics (slow path only): the flag is read and written by
+    // many threads with no barrier between them, by design.
+    if (leave_at == ~uint64_t{0} && atomicOr(abort_flag, 0u) != 0u) leave_at = now + kAbortGraceNs;
+    const uint64_t waited = now - start;
+    if ((barrier == kBarrierFull ? waited : waited / 2) >= p.args.errors.timeout_ns) {
+      atomicOr(abort_flag, 1u);
+      report_timeout(p.args.errors, kernel_id<M>(), barrier, phase, waited);
+      return false;
+    }
   }
 }
 
@@ -350,6 +423,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + S;
   uint64_t* order = empty + S;  // order[c]: the other consumer has finished waiting for its tile's stages
   auto* tile_src_base = reinterpret_cast<int32_t*>(order + 2);
+  // Set by the first thread whose wait gives up; the others then give up too.
+  auto* abort_flag = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -359,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_init(&order[0], 1);
     mbar_init(&order[1], 1);
+    *abort_flag = 0u;
     fence_barrier_init();
   }
   __syncthreads();
@@ -367,8 +443,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     // Producer: one thread issues all TMA loads, tile after tile, in the order
-    // the consumers take them.
+    // the consumers take them. It returns early when a wait gives up or at
+    // the fault-injection point (debug_stall_at).
     if (threadIdx.x == 0) {
+      const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
       if constexpr (Tr::kZStages > 0) tma_prefetch_descriptor(&map_z);
@@ -377,14 +455,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         const Tile tile = tile_at<M>(p, t);
         for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
           const int s = static_cast<int>(it % S);
-          mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          if (static_cast<int64_t>(it) == stall_at) return;
+          if (!wait_phase<M>(p, abort_flag, &empty[s], ((it / S) & 1) ^ 1, kBarrierEmpty, it)) return;
           mbar_arrive_expect_tx(&full[s], kStageBytes);
           uint8_t* stage = smem + s * kStageBytes;
           load_stage<M>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, &full[s]);
         }
         for (int half = 0; half < Tr::kZStages; ++half, ++it) {
           const int s = static_cast<int>(it % S);
-          mbar_wait(&empty[s], ((it / S) & 1) ^ 1);
+          if (static_cast<int64_t>(it) == stall_at) return;
+          if (!wait_phase<M>(p, abort_flag, &empty[s], ((it / S) & 1) ^ 1, kBarrierEmpty, it)) return;
           mbar_arrive_expect_tx(&full[s], kStageBytes);
           load_z_stage(p, &map_z, tile, half, smem + s * kStageBytes, &full[s]);
         }
@@ -418,7 +498,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Consumer 0's n-th tile follows consumer 1's (n-1)-th: phase n - 1 of
     // order[0]; consumer 1's n-th follows consumer 0's n-th: phase n of order[1].
-    if (cw == 1 || mine > 0) mbar_wait(&order[cw], static_cast<uint32_t>(cw == 0 ? mine - 1 : mine) & 1);
+    if (cw == 1 || mine > 0) {
+      if (!wait_phase<M>(p, abort_flag, &order[cw], static_cast<uint32_t>(cw == 0 ? mine - 1 : mine) & 1, kBarrierOrder,
+                         it))
+        return;
+    }
     ++mine;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -426,7 +510,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     for (int kb = 0; kb < tile.k_blocks; ++kb, ++it) {
       const int s = static_cast<int>(it % S);
-      mbar_wait(&full[s], (it / S) & 1);
+      if (!wait_phase<M>(p, abort_flag, &full[s], (it / S) & 1, kBarrierFull, it)) {
+        wgmma_wait<0>();  // retire the previous k-block's group before leaving
+        return;
+      }
       const uint8_t* sa = smem + s * kStageBytes;
       const uint8_t* sb = sa + kTileBytesA;
       // Between here and the wait<0> after the loop, nothing but wgmma touches
@@ -468,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int half = 0; half < Tr::kZStages; ++half) {
       const int s = static_cast<int>((it + half) % S);
-      mbar_wait(&full[s], ((it + half) / S) & 1);
+      if (!wait_phase<M>(p, abort_flag, &full[s], ((it + half) / S) & 1, kBarrierFull, it + half)) return;
       sm.z[half] = smem + s * kStageBytes;
       sm.z_empty[half] = &empty[s];  // the epilogue releases the stage once it has read it
     }

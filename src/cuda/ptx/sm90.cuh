@@ -38,14 +38,9 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
-// Waits for the phase with the given parity to complete. A pipeline that
-// never completes is a bug: trap after ~2^31 polls rather than hang forever.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t polls = 0;
-  while (!mbar_try_wait(bar, parity)) {
-    if (++polls == 0x80000000u) __trap();
-  }
-}
+// There is deliberately no unbounded wait here: the engine's waits poll
+// mbar_try_wait under a time bound and report what gave up (wait_phase in
+// gemm/grouped_gemm.cu).
 
 // ---- TMA ----------------------------------------------------------------------
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
