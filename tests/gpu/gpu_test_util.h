@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "megamoe/moe.h"
@@ -18,6 +20,27 @@ inline bool have_gpu() {
     return false;
   }
   return n > 0;
+}
+
+// Under compute-sanitizer (or another CUDA injection tool, e.g. a profiler)
+// kernels can run 100x or more slower: an engine wait that takes milliseconds
+// can take seconds. compute-sanitizer sets NV_SANITIZER_INJECTION_* in the
+// target's environment; other tools CUDA_INJECTION64_PATH.
+inline bool under_cuda_tool() {
+  for (const char* var : {"NV_SANITIZER_INJECTION_PORT_BASE", "CUDA_INJECTION64_PATH"}) {
+    const char* v = std::getenv(var);
+    if (v != nullptr && *v != '\0') return true;
+  }
+  return false;
+}
+
+// The spin-wait bound (DeviceErrorSink::timeout_ns) for GPU tests that are
+// not about timeouts: MEGAMOE_TEST_WAIT_TIMEOUT_MS when set, else 10 s, or
+// 10 minutes under a CUDA tool.
+inline uint64_t test_wait_timeout_ns() {
+  if (const char* ms = std::getenv("MEGAMOE_TEST_WAIT_TIMEOUT_MS"); ms != nullptr && *ms != '\0')
+    return std::strtoull(ms, nullptr, 10) * 1'000'000ull;
+  return under_cuda_tool() ? 600'000'000'000ull : 10'000'000'000ull;
 }
 
 #define MEGAMOE_REQUIRE_GPU() \

@@ -1,9 +1,13 @@
 // The grouped GEMM engine on its own: each mode against a plain CPU GEMM on
-// random pools laid out by a real device routing plan.
+// random pools laid out by a real device routing plan; and its bounded waits
+// (a stalled pipeline times out, reports and leaves the context usable).
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "cuda/common/device_errors.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "gpu_test_util.h"
@@ -119,6 +123,9 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
     sms = GetParam() == 0 ? prop.multiProcessorCount : GetParam();
+    ASSERT_TRUE(cuda::device_error_sink(0, &errors).ok());
+    errors.timeout_ns = test_wait_timeout_ns();
+    MEGAMOE_ASSERT_OK(cuda::take_device_error(0, nullptr));  // nothing pending from before
   }
 
   static int64_t align_rows(int64_t r) { return (r + 127) / 128 * 128; }
@@ -138,9 +145,11 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
       m.host[i] = round_to_bf16(static_cast<float>(scale * uniform_pm1(6, stream, i)));
     m.upload();
   }
-  void run(const cuda::GroupedGemmArgs& a) {
+  // Launches on the legacy stream and waits; no wait may have given up.
+  void run(cuda::GroupedGemmArgs a) {
+    if (a.errors.claim == nullptr) a.errors = errors;
     ASSERT_TRUE(cuda::launch_grouped_gemm(a, sms, nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
   }
   double route_weight(int src) const { return data.topk_weights.get(src); }
 
@@ -162,7 +171,8 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, H);
   }
 
-  const int64_t T = 300, H = 256, I = 128;
+  // I = 256: kDownGrad and kWeightGrad (N = I) get two column tiles.
+  const int64_t T = 300, H = 256, I = 256;
   const int E = 4, k = 2;
   int64_t C = 0, pool_rows = 0;
   int sms = 0;
@@ -170,6 +180,7 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   DeviceTensor idx, weights;
   std::vector<DeviceTensor> bufs;
   cuda::DevicePlan plan;
+  cuda::DeviceErrorSink errors;  // device 0's, with the test bound (test_wait_timeout_ns)
   std::vector<int32_t> row_src, tile_expert, offsets, rows;
 };
 
@@ -283,6 +294,167 @@ TEST_P(GroupedGemm, WeightGradMnMajorBothOperands) {
         gv.push_back(static_cast<float>(got.get((e * H + m) * I + n)));
       }
   EXPECT_LT(rel_err(gv, rv), 1e-4);
+}
+
+// Error of `got` against `ref` (one output of the kDownGrad epilogue): the
+// relative L2 error, the largest |got - ref| over the largest |ref|, and how
+// many elements differ at all.
+struct ErrStats {
+  double rel = 0, max_rel = 0;
+  int64_t differ = 0;
+};
+ErrStats err_stats(const std::vector<float>& got, const std::vector<double>& ref) {
+  ErrStats st;
+  double max_abs = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    max_abs = std::max(max_abs, std::fabs(got[i] - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(ref[i]));
+    st.differ += static_cast<double>(got[i]) != ref[i];
+  }
+  st.rel = rel_err(got, ref);
+  st.max_rel = max_abs / std::max(max_ref, 1e-30);
+  return st;
+}
+
+// ga = dy_pool @ w2[e] (K = H, w2 as [E*H, I]: B is MN-major) and the fused
+// epilogue, against the same formulas on the CPU (double, rounded to bf16
+// where the kernel rounds): wa = bf16(w bf16(silu(g) u)), dz = [bf16(w ga u
+// silu'(g)), bf16(w ga silu(g))], and the per-(row, column tile) partial
+// sums sum_c ga a of d topk_w. Padding rows (zero dy and z) must come out 0.
+TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
+  Mat dy, w2, z, dz, wa;
+  random_pool(dy, H, 9);
+  random_mat(w2, E * H, I, 1.0 / 11, 10);
+  random_pool(z, 2 * I, 11);
+  dz.make(C, 2 * I);
+  wa.make(C, I);
+  const int64_t n_tiles = I / 128;
+  DeviceTensor dw_partial(DType::kF32, {C, n_tiles});
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+  g.topk_weights = static_cast<const float*>(weights.view().data);
+  g.z_pool = z.dev.view().data;
+  g.out0 = dz.dev.view().data, g.out1 = wa.dev.view().data;
+  g.dw_partial = static_cast<float*>(dw_partial.view().data);
+  run(g);
+  const auto ga = pool_gemm(dy, H, I, row_src, tile_expert, pool_rows,
+                            [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + kk) * I + n]; });
+  const auto dz_got = dz.download(), wa_got = wa.download();
+  HostTensor dwp_host(DType::kF32, {C, n_tiles});
+  ASSERT_TRUE(dw_partial.download(&dwp_host).ok());
+
+  std::vector<float> wa_g, dg_g, du_g, dw_g;
+  std::vector<double> wa_r, dg_r, du_r, dw_r;
+  int64_t padding_nonzero = 0;
+  for (int64_t r = 0; r < pool_rows; ++r) {
+    const int src = row_src[r];
+    if (src < 0) {  // padding: every output of the row is 0
+      for (int64_t c = 0; c < I; ++c)
+        padding_nonzero += wa_got[r * I + c] != 0.0f || dz_got[r * 2 * I + c] != 0.0f ||
+                           dz_got[r * 2 * I + I + c] != 0.0f;
+      for (int64_t n = 0; n < n_tiles; ++n) padding_nonzero += dwp_host.get(r * n_tiles + n) != 0.0;
+      continue;
+    }
+    const double w = route_weight(src);
+    for (int64_t n = 0; n < n_tiles; ++n) {
+      double dw = 0;
+      for (int64_t c = n * 128; c < (n + 1) * 128; ++c) {
+        const double gv = z.host[r * 2 * I + c], u = z.host[r * 2 * I + I + c];
+        const double sg = 1.0 / (1.0 + std::exp(-gv)), silu = gv * sg;
+        const double av = round_to_bf16(static_cast<float>(silu * u));
+        const double gad = ga[r * I + c];
+        dw += gad * av;
+        wa_r.push_back(round_to_bf16(static_cast<float>(w * av)));
+        dg_r.push_back(round_to_bf16(static_cast<float>(w * gad * u * (sg * (1.0 + gv * (1.0 - sg))))));
+        du_r.push_back(round_to_bf16(static_cast<float>(w * gad * silu)));
+        wa_g.push_back(wa_got[r * I + c]);
+        dg_g.push_back(dz_got[r * 2 * I + c]);
+        du_g.push_back(dz_got[r * 2 * I + I + c]);
+      }
+      dw_r.push_back(dw);
+      dw_g.push_back(static_cast<float>(dwp_host.get(r * n_tiles + n)));
+    }
+  }
+  EXPECT_EQ(padding_nonzero, 0);
+  const ErrStats e_wa = err_stats(wa_g, wa_r), e_dg = err_stats(dg_g, dg_r), e_du = err_stats(du_g, du_r),
+                 e_dw = err_stats(dw_g, dw_r);
+  std::printf("  kDownGrad vs CPU (rel L2 / max rel / elements differing of %zu, %zu partials):\n"
+              "    wa %.3g / %.3g / %lld   dg %.3g / %.3g / %lld   du %.3g / %.3g / %lld   dw %.3g / %.3g / %lld\n",
+              wa_r.size(), dw_r.size(), e_wa.rel, e_wa.max_rel, (long long)e_wa.differ, e_dg.rel, e_dg.max_rel,
+              (long long)e_dg.differ, e_du.rel, e_du.max_rel, (long long)e_du.differ, e_dw.rel, e_dw.max_rel,
+              (long long)e_dw.differ);
+  // Bounds: about 3x what an H200 measured (rel L2 / max rel): wa 5.5e-5 /
+  // 3.6e-3 (two elements one bf16 step off: __expf against exp), dg and du
+  // 1e-5 / 2.7e-4, dw 1.8e-5 / 1.2e-4 (fp32 against double sums). wa's max
+  // allows two bf16 steps of the largest value.
+  constexpr double kWaRel = 2e-4, kWaMax = 8e-3, kDzRel = 4e-5, kDzMax = 1e-3, kDwRel = 6e-5, kDwMax = 4e-4;
+  EXPECT_LT(e_wa.rel, kWaRel);
+  EXPECT_LT(e_wa.max_rel, kWaMax);
+  EXPECT_LT(e_dg.rel, kDzRel);
+  EXPECT_LT(e_du.rel, kDzRel);
+  EXPECT_LT(e_dg.max_rel, kDzMax);
+  EXPECT_LT(e_du.max_rel, kDzMax);
+  EXPECT_LT(e_dw.rel, kDwRel);
+  EXPECT_LT(e_dw.max_rel, kDwMax);
+  if (e_dg.rel > kDzRel) describe_mismatch(dg_g, dg_r, I);
+}
+
+// A producer that stops issuing loads (debug_stall_at) leaves a consumer
+// waiting on a full barrier that never completes. The wait gives up after
+// errors.timeout_ns, reports kernel, block, barrier and phase (the stage
+// iteration), and the kernel exits: no trap, the stream synchronises, and the
+// same problem then runs to the right result on the same context.
+TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
+  Mat a, w2, slots;
+  random_pool(a, I, 3);
+  random_mat(w2, E * H, I, 1.0 / 11, 4);
+  slots.make(k * T, H);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
+  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
+  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+  g.topk_weights = static_cast<const float*>(weights.view().data);
+  g.out0 = slots.dev.view().data;
+
+  // 50 ms; 5 s under compute-sanitizer, where the first loads alone can take
+  // longer than 50 ms.
+  const bool slow = under_cuda_tool();
+  g.errors = errors;
+  g.errors.timeout_ns = slow ? 5'000'000'000ull : 50'000'000ull;
+  // CTA 0 walks the most tiles; stall at a stage iteration it reaches (past
+  // the first ring wrap when it has that many), so at least one CTA stalls
+  // and every CTA that stalls does so at the same iteration.
+  const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 64;
+  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
+  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  ASSERT_GE(stall, 0);
+  g.debug_stall_at = stall;
+
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr).ok());
+  const Status st = cuda::sync_and_take_device_error(0, nullptr);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // no trap, no sticky error
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  const std::string& msg = st.message();
+  for (const std::string& want : std::vector<std::string>{"grouped GEMM kDown,", "block ", "full barrier",
+                                                          "phase " + std::to_string(stall) + " ", "gave up"})
+    EXPECT_NE(msg.find(want), std::string::npos) << "missing \"" << want << "\" in: " << msg;
+  // The other waiters left through the CTA's abort flag, not after their own
+  // (2 x) bound, and nothing waited for the default 10 s.
+  EXPECT_LT(seconds, slow ? 120.0 : 5.0);
+  std::printf("  stalled at stage iteration %lld: %s (%.0f ms)\n", (long long)stall, msg.c_str(), seconds * 1e3);
+
+  // The context is still usable: the same problem, no stall, is right and reports nothing.
+  g.debug_stall_at = -1;
+  g.errors = errors;
+  run(g);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
+                             [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
+  expect_slots_match(slots, ref, /*weighted=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grids, GroupedGemm, ::testing::Values(0, 1, 3),
