@@ -57,6 +57,7 @@ inline MoeOptions cuda_options(SavePolicy save = SavePolicy::kKeep, cudaStream_t
   o.backend = Backend::kCUDA;
   o.save_policy = save;
   o.cuda_stream = stream;
+  o.device_timeout_ms = static_cast<int64_t>(test_wait_timeout_ns() / 1'000'000ull);  // longer under sanitizers
   return o;
 }
 
