@@ -1,47 +1,69 @@
 #!/usr/bin/env python3
-"""megamoe against PyTorch MoE baselines: one process, one GPU, same inputs.
+"""megamoe against the strongest MoE baselines: one Qwen3-MoE layer, one GPU.
 
-Times forward, backward and forward+backward of one Qwen3-MoE layer for
-  megamoe     libmegamoe_c.so through ctypes (include/megamoe/c_api.h)
-  grouped_mm  the TorchTitan pipeline: sort by expert, torch._grouped_mm, autograd
-  hf_eager    the Hugging Face Qwen3MoeSparseMoeBlock per-expert loop, autograd
-and prints one table (median ms, TFLOPS, % of peak, peak memory, speedup vs
-grouped_mm) plus relative errors of every output against grouped_mm.
+Times forward, backward and forward+backward (bf16) for these backends:
+  megamoe             megamoe.moe (the package's custom op with autograd)
+  grouped_mm          the TorchTitan pipeline: sort by expert, torch._grouped_mm, autograd (eager)
+  grouped_mm_compile  the same pipeline under torch.compile (its backward compiled by AOTAutograd)
+  sonicmoe            SonicMoE's moe_general_routing_inputs, when importable
+  hf_eager            the Hugging Face per-expert loop (opt-in: --backends ...,hf_eager)
+
+Each (backend, shape) runs in its own process (this script with --backend), so
+memory is measured alone: torch.cuda.max_memory_allocated and device memory
+in use as the driver reports it (torch.cuda.mem_get_info: total - free). The
+parent collects the children's JSON and prints one table: median ms per phase,
+TFLOPS, % of peak, "vs best" (the fastest of grouped_mm, grouped_mm_compile and
+sonicmoe, divided by this row's time; > 1 = faster than every baseline) and
+memory. Every row's outputs (y, dx, d_topk_w, dw13, dw2) are checked against
+an fp64 reference of the same inputs; an error above the flag, a failed
+backend or a skipped row makes the exit status 1.
 
 Math, per route (t, j) with e = topk_idx[t, j] (-1 = no route, dropped):
   z = w13[e] @ x[t];  a = silu(z[:I]) * z[I:];  y[t] += topk_w[t, j] * (w2[e] @ a)
 
-  python3 bench/compare_torch.py --preset qwen3-30b-a3b --tokens 16384
-  python3 bench/compare_torch.py --all --json out/compare.json
-  python3 bench/compare_torch.py --device cpu --preset tiny --tokens 64 --skip-megamoe
+  python3 bench/compare_torch.py                       # --all: 30B and 235B at 16384 tokens, every backend
+  python3 bench/compare_torch.py --quick               # 30B only; megamoe and grouped_mm
+  python3 bench/compare_torch.py --preset qwen3-30b-a3b --backends megamoe,sonicmoe --json out.json
+  python3 bench/compare_torch.py --device cpu --preset tiny --tokens 64 --backends grouped_mm,megamoe
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import importlib.util
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-# name: (hidden H, intermediate I, experts E, top_k k)
-PRESETS = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "tiny": (256, 128, 8, 2),
-}
-ALL_SHAPES = [(p, t) for p in ("qwen3-30b-a3b", "qwen3-235b-a22b") for t in (4096, 16384)]
-ERR_FLAG = 2e-2  # relative error above which a comparison is flagged (not fatal)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+from megamoe.train import PRESETS as MODEL_PRESETS  # noqa: E402  (one definition of the shapes)
+
+BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe", "hf_eager")
+DEFAULT_BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe")
+QUICK_BACKENDS = ("megamoe", "grouped_mm")
+BASELINES = ("grouped_mm", "grouped_mm_compile", "sonicmoe")  # "vs best" = the fastest of these
+SLOW_FIRST_CALL = ("sonicmoe",)  # compiles 2-4 min per shape: run after the others, so a deadline hits it last
+ALL_PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b")
+ERR_FLAG = 2e-2  # relative error vs the fp64 reference above which a row is flagged (exit status 1)
 SKEW_SIGMA = 0.5  # --routing skewed: expert log-popularity ~ N(0, 0.5^2), max/mean load ~2-3x
 FLUSH_BYTES = 256 << 20  # written before every timed region: > 4x the H200's L2
 GIB = float(1 << 30)
+PHASES = ("fwd", "bwd", "fwd+bwd")
 
 
 @dataclass
@@ -55,10 +77,16 @@ class Shape:
 
     @classmethod
     def of(cls, preset: str, tokens: int) -> Shape:
-        return cls(preset, tokens, *PRESETS[preset])
+        p = MODEL_PRESETS[preset]
+        return cls(preset, tokens, p["hidden_size"], p["moe_intermediate_size"], p["num_experts"],
+                   p["num_experts_per_tok"])
 
     def label(self) -> str:
         return f"{self.preset} T={self.tokens}"
+
+
+def log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------- inputs
@@ -109,6 +137,7 @@ def load_stats(idx: torch.Tensor, experts: int) -> tuple[int, float]:
 
 
 def make_inputs(shape: Shape, args, device: torch.device) -> Inputs:
+    """Seeded on the device: every child process gets the same tensors."""
     T, H, I, E = shape.tokens, shape.hidden, shape.inter, shape.experts
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
@@ -152,15 +181,15 @@ def pick_grouped_mm(device: torch.device) -> tuple[Callable, str]:
     """torch._grouped_mm on CUDA; on the CPU only if it runs there (2.9+ has a
     CPU kernel), else the labelled loop fallback."""
     if device.type == "cuda":
-        return torch._grouped_mm, "grouped_mm"
+        return torch._grouped_mm, "torch._grouped_mm"
     try:
         a = torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True)
         b = torch.randn(2, 16, 16, dtype=torch.bfloat16, requires_grad=True)
         offs = torch.tensor([8, 16], dtype=torch.int32)
         torch._grouped_mm(a, b, offs=offs).float().sum().backward()
-        return torch._grouped_mm, "grouped_mm"
+        return torch._grouped_mm, "torch._grouped_mm"
     except (AttributeError, RuntimeError, NotImplementedError):
-        return grouped_mm_loop, "grouped_mm[cpu-loop]"
+        return grouped_mm_loop, "cpu loop (no torch._grouped_mm CPU kernel)"
 
 
 def route_plan(idx: torch.Tensor, experts: int, align: int):
@@ -177,8 +206,7 @@ def route_plan(idx: torch.Tensor, experts: int, align: int):
     16-byte aligned whatever the group sizes (TMA needs only that, plus
     strides that are multiples of 16 bytes, which it checks). TorchTitan
     still pads to 8 for bf16 (TOKEN_GROUP_ALIGN_SIZE_M), so --gmm-align
-    defaults to 8; --gmm-align 1 runs unpadded (same speed on the H200, and
-    both match an fp64 reference on the CPU)."""
+    defaults to 8; --gmm-align 1 runs unpadded (same speed on the H200)."""
     T, k = idx.shape
     n, dev = T * k, idx.device
     expert = idx.reshape(-1).long()
@@ -210,9 +238,8 @@ def grouped_mm_forward(x, idx, w, w13, w2, *, gmm: Callable, align: int):
     Differences from TorchTitan, all in its favour: one gather straight into
     the padded layout (TorchTitan gathers, then permutes again), and it by
     advanced indexing, whose backward (a sorted index_put) beat both
-    gather's and index_select's atomic backward on the H200 (1.0 vs 1.3 vs
-    2.5 ms at 30B, T=16384); one fused gate/up grouped_mm. The combine is
-    TorchTitan's bf16 scatter_add (2x faster there than a bf16 index_add_)."""
+    gather's and index_select's atomic backward on the H200; one fused
+    gate/up grouped_mm. The combine is TorchTitan's bf16 scatter_add."""
     T, H = x.shape
     I = w2.shape[-1]
     token_of, route_of, offs = route_plan(idx, w13.shape[0], align)
@@ -234,18 +261,18 @@ def grouped_mm_forward(x, idx, w, w13, w2, *, gmm: Callable, align: int):
 
 def hf_eager_forward(x, idx, w, w13, w2):
     """Hugging Face Qwen3-MoE expert loop (transformers' fused gate_up_proj
-    layout): torch.where per hit expert, F.linear, bf16 routing weights (HF
-    casts them to the hidden dtype), bf16 index_add_. Host syncs by nature."""
+    layout): torch.where per hit expert, F.linear, routing weights in x's
+    dtype, index_add_. Host syncs by nature. In fp64 it is the reference."""
     E = w13.shape[0]
     e_of = torch.where(idx < 0, E, idx.long())  # -1 -> class E, never visited
     mask = F.one_hot(e_of, E + 1).permute(2, 1, 0)  # [E+1, k, T]
     hit = (mask[:E].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
-    w_bf = w.to(x.dtype)
+    w_x = w.to(x.dtype)
     y = torch.zeros_like(x)
     for e in hit:
         pos, tok = torch.where(mask[e])
         gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        o = F.linear(F.silu(gate) * up, w2[e]) * w_bf[tok, pos, None]
+        o = F.linear(F.silu(gate) * up, w2[e]) * w_x[tok, pos, None]
         y.index_add_(0, tok, o)
     return y
 
@@ -254,15 +281,17 @@ def hf_eager_forward(x, idx, w, w13, w2):
 
 
 class TorchImpl:
-    """A torch forward function, differentiated with autograd."""
+    """A forward function of (x, idx, w, w13, w2), differentiated with autograd."""
 
-    def __init__(self, name: str, forward: Callable, inputs: Inputs):
-        self.name, self.forward, self.inp = name, forward, inputs
-        self.bwd_flops_per_route = 12
+    bwd_flops_per_route = 12
+
+    def __init__(self, forward: Callable, inputs: Inputs, scale: float = 1.0):
+        self.forward, self.inp, self.scale = forward, inputs, scale
 
     def fwd(self, s: int):
         r = self.inp.sets[s]
-        return self.forward(r.x, r.idx, r.w, self.inp.w13, self.inp.w2)
+        y = self.forward(r.x, r.idx, r.w, self.inp.w13, self.inp.w2)
+        return y * self.scale if self.scale != 1.0 else y  # --perturb: a backend that lies
 
     def bwd(self, y, s: int):
         r = self.inp.sets[s]
@@ -274,146 +303,122 @@ class TorchImpl:
         dx, dw, dw13, dw2 = self.bwd(y, s)
         return {"y": y.detach(), "dx": dx, "d_topk_w": dw, "dw13": dw13, "dw2": dw2}
 
-    def reset(self):
-        pass
-
-    def extra_bytes(self) -> int:
-        return 0
-
-    def finish(self):
-        pass
-
-    def close(self):
-        pass
+    def info(self) -> dict:
+        return {}
 
 
-class MegaMoeConfig(ctypes.Structure):
-    _fields_ = [  # mirrors megamoe_config in include/megamoe/c_api.h
-        ("hidden", ctypes.c_int64),
-        ("intermediate", ctypes.c_int64),
-        ("num_experts", ctypes.c_int32),
-        ("top_k", ctypes.c_int32),
-        ("ep_rank", ctypes.c_int32),
-        ("ep_size", ctypes.c_int32),
-        ("max_tokens_per_rank", ctypes.c_int64),
-        ("precision", ctypes.c_int32),
-        ("save_policy", ctypes.c_int32),
-        ("backend", ctypes.c_int32),
-        ("device", ctypes.c_int32),
-    ]
+class MegaMoeImpl(TorchImpl):
+    def __init__(self, inputs: Inputs, args, scale: float):
+        import megamoe
+
+        self.megamoe, self.save = megamoe, args.save
+        self.bwd_flops_per_route = 16 if args.save == "recompute" else 12
+
+        def forward(x, idx, w, w13, w2):
+            return megamoe.moe(x, idx, w, w13, w2, precision="bf16", save=self.save)
+
+        super().__init__(forward, inputs, scale)
+
+    def sync_check(self):
+        self.megamoe.check()  # raises device-found errors (bad ids, timed-out waits)
+
+    def info(self) -> dict:
+        import megamoe._lib as lib
+
+        out = {"library": getattr(lib.lib(), "_name", None)}
+        stats = getattr(self.megamoe, "memory_stats", None)
+        if stats is not None:
+            out["memory_stats"] = stats()
+        return out
 
 
-class MegaMoeLib:
-    """ctypes binding of the C ABI; every non-zero return raises."""
+class SonicMoeImpl(TorchImpl):
+    """SonicMoE's entry point for given routing (the call of ../shared/tools/README.md).
+    token / expert ids per rotation slot are built once, outside the timed regions;
+    dropped routes (-1) are filtered out there too (its routing is general)."""
 
-    def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
-        P, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        sigs = {
-            "megamoe_workspace_create": ([ctypes.POINTER(MegaMoeConfig), ctypes.POINTER(P)], ctypes.c_int),
-            "megamoe_workspace_destroy": ([P], None),
-            "megamoe_workspace_bytes": ([P], ctypes.c_size_t),
-            "megamoe_forward": ([P, i64] + [P] * 7, ctypes.c_int),
-            "megamoe_backward": ([P, i64] + [P] * 10 + [i32, P], ctypes.c_int),
-            "megamoe_check_device_errors": ([P, P], ctypes.c_int),
-            "megamoe_last_error": ([], ctypes.c_char_p),
-        }
-        for name, (argtypes, restype) in sigs.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        self.lib = lib
+    def __init__(self, inputs: Inputs, scale: float):
+        from sonicmoe.enums import ActivationType
+        from sonicmoe.functional import moe_general_routing_inputs
 
-    def call(self, name: str, *args):
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            msg = (self.lib.megamoe_last_error() or b"").decode(errors="replace")
-            raise RuntimeError(f"{name} returned {rc}: {msg}")
+        self.routes = []
+        for r in inputs.sets:
+            T, k = r.idx.shape
+            flat = r.idx.reshape(-1)
+            token = torch.arange(T, device=flat.device, dtype=torch.int32).repeat_interleave(k)
+            keep = None
+            if bool((flat < 0).any()):
+                keep = (flat >= 0).nonzero().flatten()
+                token, flat = token[keep], flat[keep]
+            self.routes.append((token.contiguous(), flat.int().contiguous(), keep))
+        self.current = 0
+        E = inputs.w13.shape[0]
 
+        def forward(x, idx, w, w13, w2):
+            token, expert, keep = self.routes[self.current]
+            scores = w.reshape(-1) if keep is None else w.reshape(-1)[keep]
+            y, _ = moe_general_routing_inputs(
+                x, scores, token, expert, w13.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, E,
+                torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False, True)
+            return y
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    assert t.is_contiguous()
-    return ctypes.c_void_p(t.data_ptr())
-
-
-class MegaMoeImpl:
-    """One megamoe workspace for one shape; outputs live in torch tensors."""
-
-    name = "megamoe"
-
-    def __init__(self, lib: MegaMoeLib, shape: Shape, inputs: Inputs, args, device: torch.device):
-        self.lib, self.shape, self.inp, self.device = lib, shape, inputs, device
-        self.recompute = args.save == "recompute"
-        self.bwd_flops_per_route = 16 if self.recompute else 12
-        self.wgrad_f32 = args.wgrad_dtype == "fp32"
-        cuda = device.type == "cuda"
-        cfg = MegaMoeConfig(
-            hidden=shape.hidden, intermediate=shape.inter, num_experts=shape.experts,
-            top_k=shape.top_k, ep_rank=0, ep_size=1, max_tokens_per_rank=shape.tokens,
-            precision=0, save_policy=int(self.recompute), backend=1 if cuda else 0,
-            device=torch.cuda.current_device() if cuda else 0,
-        )
-        self.ws = ctypes.c_void_p()
-        lib.call("megamoe_workspace_create", ctypes.byref(cfg), ctypes.byref(self.ws))
-        self.out: dict[str, torch.Tensor] | None = None
-
-    def _stream(self) -> ctypes.c_void_p:
-        if self.device.type != "cuda":
-            return ctypes.c_void_p(None)
-        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-
-    def _outputs(self) -> dict[str, torch.Tensor]:
-        # Allocated on first use (inside the memory measurement), then reused.
-        # NaN-filled: an output the library fails to write must not pass the
-        # check with a baseline's result left in recycled allocator memory.
-        if self.out is None:
-            T, k, dev = self.shape.tokens, self.shape.top_k, self.device
-            wdt = torch.float32 if self.wgrad_f32 else torch.bfloat16
-            nan = float("nan")
-            self.out = {
-                "y": torch.full_like(self.inp.sets[0].x, nan),
-                "dx": torch.full_like(self.inp.sets[0].x, nan),
-                "d_topk_w": torch.full((T, k), nan, device=dev),
-                "dw13": torch.full(self.inp.w13.shape, nan, dtype=wdt, device=dev),
-                "dw2": torch.full(self.inp.w2.shape, nan, dtype=wdt, device=dev),
-            }
-        return self.out
-
-    def _args(self, s: int) -> list[ctypes.c_void_p]:
-        r, w = self.inp.sets[s], self.inp
-        return [_ptr(r.x), _ptr(r.idx), _ptr(r.w), _ptr(w.w13), _ptr(w.w2)]
+        super().__init__(forward, inputs, scale)
 
     def fwd(self, s: int):
-        o = self._outputs()
-        T = ctypes.c_int64(self.shape.tokens)
-        self.lib.call("megamoe_forward", self.ws, T, *self._args(s), _ptr(o["y"]), self._stream())
+        self.current = s
+        return super().fwd(s)
 
-    def bwd(self, _state, s: int):
-        o = self._outputs()
-        grads = [_ptr(o[n]) for n in ("dx", "d_topk_w", "dw13", "dw2")]
-        self.lib.call(
-            "megamoe_backward", self.ws, ctypes.c_int64(self.shape.tokens), *self._args(s),
-            _ptr(self.inp.sets[s].dy), *grads, ctypes.c_int32(int(self.wgrad_f32)), self._stream(),
-        )
 
-    def outputs(self, s: int) -> dict[str, torch.Tensor]:
-        self.bwd(self.fwd(s), s)
-        self.finish()
-        return {n: t.clone() for n, t in self._outputs().items()}
+def sonicmoe_missing() -> str | None:
+    if importlib.util.find_spec("sonicmoe") is None:
+        return "not installed (source scripts/install-sonicmoe)"
+    return None
 
-    def reset(self):
-        self.out = None
 
-    def extra_bytes(self) -> int:
-        # The workspace is cudaMalloc'd by the library, outside torch's allocator.
-        return int(self.lib.lib.megamoe_workspace_bytes(self.ws))
+class Unavailable(Exception):
+    """The backend cannot run here (not installed, needs CUDA): not a failure
+    unless it was asked for by name."""
 
-    def finish(self):
-        self.lib.call("megamoe_check_device_errors", self.ws, self._stream())
 
-    def close(self):
-        if self.ws:
-            self.lib.lib.megamoe_workspace_destroy(self.ws)
-            self.ws = ctypes.c_void_p()
+def preflight(name: str, device: torch.device) -> None:
+    """Raises Unavailable before any input is made, for a backend that cannot run here."""
+    if name != "sonicmoe":
+        return
+    missing = sonicmoe_missing()
+    if missing:
+        raise Unavailable(missing)
+    try:
+        import sonicmoe.functional  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported in its row
+        raise Unavailable(f"import failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
+    if device.type != "cuda":
+        raise Unavailable("needs CUDA")
+
+
+def make_impl(name: str, inputs: Inputs, args, device: torch.device) -> TorchImpl:
+    scale = args.perturb_scale if args.perturb == name else 1.0
+    if name == "megamoe":
+        return MegaMoeImpl(inputs, args, scale)
+    if name in ("grouped_mm", "grouped_mm_compile"):
+        gmm, _ = pick_grouped_mm(device)
+        align = args.gmm_align
+
+        def fwd_gmm(x, idx, w, w13, w2):
+            return grouped_mm_forward(x, idx, w, w13, w2, gmm=gmm, align=align)
+
+        if name == "grouped_mm":
+            return TorchImpl(fwd_gmm, inputs, scale)
+        # The forward compiled; AOTAutograd traces the joint graph and compiles the
+        # backward too, so forward and backward stay separately timeable. (A compiled
+        # function that called torch.autograd.grad itself would graph-break there and
+        # end up the same two graphs.) Compile time is spent in the warm-up.
+        return TorchImpl(torch.compile(fwd_gmm, mode=args.compile_mode, dynamic=False), inputs, scale)
+    if name == "sonicmoe":
+        preflight(name, device)
+        return SonicMoeImpl(inputs, scale)
+    if name == "hf_eager":
+        return TorchImpl(hf_eager_forward, inputs, scale)
+    raise ValueError(name)
 
 
 # ------------------------------------------------------------------ timing
@@ -455,72 +460,103 @@ class Clock:
         return ev
 
 
-def time_impl(impl, clock: Clock, iters: int, warmup: int, rotate: int) -> dict[str, list[float]]:
-    def nothing(s):
-        return None
-
-    def fwd(_, s):
-        return impl.fwd(s)
-
-    def fwd_bwd(_, s):
-        return impl.bwd(impl.fwd(s), s)
-
-    samples = {
-        "fwd": clock.time(nothing, fwd, iters, warmup, rotate),
-        "bwd": clock.time(impl.fwd, impl.bwd, iters, warmup, rotate),  # forward untimed
-        "fwd+bwd": clock.time(nothing, fwd_bwd, iters, warmup, rotate),
-    }
-    impl.finish()  # megamoe: one device-error check after the timed loops
-    return samples
+# ------------------------------------------------------------------ memory
 
 
-def peak_bytes(impl, device: torch.device) -> int | None:
-    """Peak memory of one fwd+bwd beyond what was allocated before it (shared
-    inputs, earlier results); for megamoe plus its workspace."""
-    if device.type != "cuda":
-        return None
-    impl.reset()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    grads = impl.bwd(impl.fwd(0), 0)
-    torch.cuda.synchronize()
-    del grads
-    return torch.cuda.max_memory_allocated() - base + impl.extra_bytes()
+class Memory:
+    """Device memory in use as the driver reports it (cudaMemGetInfo: total -
+    free, the whole device), sampled at chosen points and, around one
+    forward+backward, by a background thread every ~0.5 ms. Each backend runs
+    in its own process, so nothing but this process (and its CUDA context)
+    is in that number beside other users of the GPU, if any."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.points: dict[str, int] = {}
+        self.peak = 0
+
+    def used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def point(self, name: str, sync: bool = True) -> int | None:
+        if not self.cuda:
+            return None
+        if sync:
+            torch.cuda.synchronize(self.device)
+        v = self.points[name] = self.used()
+        self.peak = max(self.peak, v)
+        return v
+
+    def sampled(self, fn: Callable[[], Any]) -> tuple[Any, int | None]:
+        """Runs fn (which must synchronise before returning) while a thread samples."""
+        if not self.cuda:
+            return fn(), None
+        peak, stop = [0], threading.Event()
+
+        def loop():
+            torch.cuda.set_device(self.device)
+            while not stop.is_set():
+                peak[0] = max(peak[0], self.used())
+                time.sleep(0.0005)
+
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        try:
+            out = fn()
+        finally:
+            stop.set()
+            th.join()
+        peak[0] = max(peak[0], self.used())
+        self.peak = max(self.peak, peak[0])
+        return out, peak[0]
 
 
 # ------------------------------------------------------------- correctness
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b||_F / ||b||_F in fp32 math, fp64 sums, chunked over dim 0."""
+    """||a - b||_F / ||b||_F in fp64, chunked over dim 0."""
     num = den = 0.0
     step = max(1, a.shape[0] // 16)
     for ca, cb in zip(a.detach().split(step), b.detach().split(step)):
-        cb = cb.float()
-        num += (ca.float() - cb).square().sum(dtype=torch.float64).item()
-        den += cb.square().sum(dtype=torch.float64).item()
+        cb = cb.double()
+        num += (ca.double() - cb).square().sum().item()
+        den += cb.square().sum().item()
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return math.sqrt(num / den)
 
 
-def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {n: rel_err(a[n], b[n]) for n in b}
+def reference_outputs(inputs: Inputs, s: int) -> dict[str, torch.Tensor]:
+    """The layer in fp64 (the HF loop on fp64 copies of the same bf16 inputs), with autograd."""
+    r = inputs.sets[s]
+    x, w, w13, w2 = (t.detach().double().requires_grad_() for t in (r.x, r.w, inputs.w13, inputs.w2))
+    y = hf_eager_forward(x, r.idx, w, w13, w2)
+    dx, dw, dw13, dw2 = torch.autograd.grad(y, [x, w, w13, w2], r.dy.double(), materialize_grads=True)
+    return {"y": y.detach(), "dx": dx, "d_topk_w": dw, "dw13": dw13, "dw2": dw2}
 
 
-# ----------------------------------------------------------------- driver
+def check_outputs(impl: TorchImpl, inputs: Inputs) -> dict[str, float]:
+    outs = {n: t.detach() for n, t in impl.outputs(0).items()}
+    sync_check(impl)
+    ref = reference_outputs(inputs, 0)
+    errs = {n: rel_err(outs[n], ref[n]) for n in ref}
+    del outs, ref
+    return errs
 
 
-@dataclass
-class ImplResult:
-    name: str
-    ms: dict[str, float] = field(default_factory=dict)  # median per phase
-    samples: dict[str, list[float]] = field(default_factory=dict)
-    tflops: dict[str, float] = field(default_factory=dict)
-    peak_bytes: int | None = None
-    workspace_bytes: int | None = None
-    error: str | None = None
+def flagged(errs: dict[str, float] | None) -> bool:
+    return bool(errs) and not all(v <= ERR_FLAG for v in errs.values())  # NaN flags too
+
+
+def sync_check(impl: TorchImpl):
+    if hasattr(impl, "sync_check"):
+        impl.sync_check()
+
+
+# ------------------------------------------------------------------ child
 
 
 def flops(shape: Shape, routes: float, bwd_per_route: int) -> dict[str, float]:
@@ -528,213 +564,424 @@ def flops(shape: Shape, routes: float, bwd_per_route: int) -> dict[str, float]:
     return {"fwd": 6 * unit, "bwd": bwd_per_route * unit, "fwd+bwd": (6 + bwd_per_route) * unit}
 
 
-def log(msg: str):
-    print(msg, file=sys.stderr, flush=True)
-
-
-def run_impl(name: str, make: Callable[[], Any], shape: Shape, inputs: Inputs, args, clock: Clock,
-             device: torch.device, ref: dict | None, iters: int, warmup: int):
-    """Build, check against `ref`, measure memory, time. Returns (result,
-    its outputs or None, errors vs ref). Never raises: errors go in the row."""
-    res, outs, errs, impl = ImplResult(name), None, None, None
+def run_child(args) -> dict:
+    """One backend, one shape, this process: warm-up (compiles), memory of one
+    fwd+bwd, timing, then the check against fp64. Never raises."""
+    shape = Shape.of(args.preset[0], args.tokens[0])
+    name = args.backend
+    res: dict[str, Any] = {"backend": name, "shape": vars(shape), "status": "error", "error": None,
+                           "torch": torch.__version__, "pid": os.getpid()}
+    phase = "setup"
     try:
-        log(f"[{shape.label()}] {name}: check, memory, timing ({iters} iters)")
-        impl = make()
-        outs = impl.outputs(0)
-        if ref is not None:
-            errs = compare(outs, ref)
-        res.peak_bytes = peak_bytes(impl, device)
-        res.workspace_bytes = impl.extra_bytes() or None
-        res.samples = time_impl(impl, clock, iters, warmup, args.rotate)
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device (use --device cpu for a smoke test)")
+            device = torch.device("cuda", torch.cuda.current_device())
+            torch.zeros(1, device=device)  # the CUDA context
+            res["device_name"] = torch.cuda.get_device_name(device)
+        else:
+            res["device_name"] = "cpu"
+        preflight(name, device)
+        mem = Memory(device)
+        mem.point("context")
+        inputs = make_inputs(shape, args, device)
+        clock = Clock(device, args.flush_l2)
+        mem.point("inputs")
+        alloc_inputs = torch.cuda.memory_allocated(device) if mem.cuda else None
+        res.update(routes=inputs.routes(), load_max_over_mean=max(s.load_max_over_mean for s in inputs.sets),
+                   inputs_bytes=inputs.nbytes(), routing=args.routing)
+        if name == "grouped_mm" or name == "grouped_mm_compile":
+            res["grouped_mm_kernel"] = pick_grouped_mm(device)[1]
+
+        phase = "build"
+        impl = make_impl(name, inputs, args, device)
+
+        # First calls: compilation (torch.compile, SonicMoE's CuTe DSL) and lazy
+        # kernel loading, once per rotation slot; reported, never timed below.
+        phase = "first calls"
+        t0 = time.perf_counter()
+        for s in range(len(inputs.sets)):
+            grads = impl.bwd(impl.fwd(s), s)
+            del grads
+        sync_check(impl)
+        if mem.cuda:
+            torch.cuda.synchronize()
+        res["first_calls_s"] = time.perf_counter() - t0
+        mem.point("after_first_calls")
+
+        phase = "memory"
+        mem_res: dict[str, Any] = {}
+        if mem.cuda:
+            # What the warm-up left cached goes back to the driver, so the sampled
+            # peak below is that of one forward+backward (plus whatever the backend
+            # keeps between calls, inside or outside torch's allocator).
+            torch.cuda.empty_cache()
+            mem.point("idle")
+            torch.cuda.reset_peak_memory_stats(device)
+
+            def one():
+                grads = impl.bwd(impl.fwd(0), 0)
+                torch.cuda.synchronize()
+                del grads
+
+            _, drv_peak = mem.sampled(one)
+            mem_res = {
+                "alloc_peak_bytes": torch.cuda.max_memory_allocated(device) - alloc_inputs,
+                "reserved_peak_bytes": torch.cuda.max_memory_reserved(device),
+                "driver_peak_bytes": drv_peak - mem.points["inputs"],
+                "driver_peak_used_bytes": drv_peak,
+            }
+        sync_check(impl)
+
+        phase = "timing"
         fl = flops(shape, inputs.routes(), impl.bwd_flops_per_route)
-        for phase, xs in res.samples.items():
-            res.ms[phase] = statistics.median(xs)
-            res.tflops[phase] = fl[phase] / (res.ms[phase] * 1e-3) / 1e12
-    except Exception as exc:  # noqa: BLE001 - a failing implementation must not stop the others
-        res.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log(f"[{shape.label()}] {res.name}: {res.error}")
+        iters, warmup = (args.eager_iters, args.eager_warmup) if name == "hf_eager" else (args.iters, args.warmup)
+        samples = {
+            "fwd": clock.time(lambda s: None, lambda _, s: impl.fwd(s), iters, warmup, args.rotate),
+        }
+        mem.point("after_fwd")
+        samples["bwd"] = clock.time(impl.fwd, impl.bwd, iters, warmup, args.rotate)  # forward untimed
+        mem.point("after_bwd")
+        samples["fwd+bwd"] = clock.time(lambda s: None, lambda _, s: impl.bwd(impl.fwd(s), s), iters, warmup,
+                                        args.rotate)
+        mem.point("after_fwd_bwd")
+        sync_check(impl)  # one device-error check after the timed loops
+        res["samples"] = samples
+        res["ms"] = {p: statistics.median(v) for p, v in samples.items()}
+        res["tflops"] = {p: fl[p] / (res["ms"][p] * 1e-3) / 1e12 for p in PHASES}
+        res["iters"], res["warmup"] = iters, warmup
+        if mem.cuda:
+            mem_res["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            mem_res["driver_process_peak_bytes"] = mem.peak - mem.points["context"]
+            mem_res["driver_points_bytes"] = dict(mem.points)
+        res["memory"] = mem_res or None
+
+        phase = "check"
+        errs = check_outputs(impl, inputs)
+        res["errors_vs_fp64"] = errs
+        res["flagged"] = flagged(errs)
+        res["info"] = impl.info()
+        res["status"] = "ok"
+    except Unavailable as exc:
+        res["status"], res["error"] = "unavailable", str(exc)
+    except Exception as exc:  # noqa: BLE001 - the row says what failed
+        res["error"] = f"{phase}: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+        res["traceback"] = traceback.format_exc()[-4000:]
+        log(res["traceback"])
+    return res
+
+
+# ------------------------------------------------------------------ parent
+
+
+FORWARDED = ("save", "routing", "drop_frac", "iters", "warmup", "eager_iters", "eager_warmup", "gmm_align",
+             "rotate", "device", "seed", "compile_mode", "perturb", "perturb_scale")
+
+
+def child_argv(args, backend: str, shape: Shape, out_json: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--backend", backend, "--preset", shape.preset,
+            "--tokens", str(shape.tokens), "--json", out_json]
+    for k in FORWARDED:
+        v = getattr(args, k)
+        if v is not None:
+            argv += ["--" + k.replace("_", "-"), str(v)]
+    if not args.flush_l2:
+        argv.append("--no-flush-l2")
+    return argv
+
+
+def run_children(args, shapes: list[Shape], backends: list[str], on_result: Callable[[dict], None]) -> None:
+    start = time.monotonic()
+    order = [(b, s) for s in shapes for b in backends if b not in SLOW_FIRST_CALL]
+    order += [(b, s) for s in shapes for b in backends if b in SLOW_FIRST_CALL]
+    logf = open(args.log, "a") if args.log else None
+    tmp = tempfile.mkdtemp(prefix="compare_torch.")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        for i, (backend, shape) in enumerate(order):
+            base = {"backend": backend, "shape": vars(shape), "status": "error", "error": None}
+            if backend == "sonicmoe" and sonicmoe_missing():
+                on_result({**base, "status": "unavailable", "error": sonicmoe_missing()})
+                continue
+            limit = args.child_timeout
+            if args.deadline:
+                left = args.deadline - (time.monotonic() - start)
+                if left < 20:
+                    on_result({**base, "status": "skipped", "error": f"--deadline {args.deadline:g} s reached"})
+                    continue
+                limit = min(limit, left)
+            out_json = os.path.join(tmp, f"{i}.json")
+            argv = child_argv(args, backend, shape, out_json)
+            log(f"[{shape.label()}] {backend}: child process (limit {limit:.4g} s)")
+            t0 = time.monotonic()
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, text=True, errors="replace")
+            chunks: list[str] = []
+            reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+                proc.wait()
+            reader.join(timeout=10)
+            output = "".join(chunks)
+            wall = time.monotonic() - t0
+            if logf:
+                logf.write(f"===== {backend} {shape.label()} rc={proc.returncode} {wall:.1f} s\n{output}\n")
+                logf.flush()
+            try:
+                with open(out_json) as f:
+                    res = json.load(f)
+            except (OSError, ValueError):
+                why = f"timed out after {limit:.4g} s" if timed_out else f"child exited with {proc.returncode}"
+                tail = " | ".join(line for line in output.strip().splitlines()[-3:])
+                res = {**base, "error": f"{why}: {tail}"[:400]}
+            if timed_out and res.get("status") == "ok":
+                res["status"], res["error"] = "error", f"timed out after {limit:.4g} s"
+            res["wall_s"] = wall
+            on_result(res)
     finally:
-        if impl is not None:
-            impl.close()
-    return res, outs, errs
+        if logf:
+            logf.close()
 
 
-def run_shape(shape: Shape, args, device: torch.device, clock: Clock, lib) -> dict:
-    inputs = make_inputs(shape, args, device)
-    gmm, gmm_name = pick_grouped_mm(device)
-
-    def fwd_gmm(*a):
-        return grouped_mm_forward(*a, gmm=gmm, align=args.gmm_align)
-
-    record: dict[str, Any] = {
-        "shape": vars(shape), "routing": args.routing, "routes": inputs.routes(),
-        "load_max_over_mean": max(s.load_max_over_mean for s in inputs.sets),
-        "inputs_bytes": inputs.nbytes(), "impls": {}, "errors_vs_grouped_mm": {},
-    }
-    gres, ref, _ = run_impl(gmm_name, lambda: TorchImpl(gmm_name, fwd_gmm, inputs), shape, inputs, args,
-                            clock, device, None, args.iters, args.warmup)
-    results = [gres]
-    if not args.skip_eager:
-        eres, _, errs = run_impl("hf_eager", lambda: TorchImpl("hf_eager", hf_eager_forward, inputs), shape, inputs,
-                                 args, clock, device, ref, args.eager_iters, args.eager_warmup)
-        results.append(eres)
-        if errs:
-            record["errors_vs_grouped_mm"]["hf_eager"] = errs
-    if not args.skip_megamoe:
-        # Last: a device fault in a new library must not take the baselines down with it.
-        mres, _, errs = run_impl("megamoe", lambda: make_megamoe(lib, shape, inputs, args, device), shape, inputs,
-                                 args, clock, device, ref, args.iters, args.warmup)
-        results.insert(0, mres)
-        if errs:
-            record["errors_vs_grouped_mm"]["megamoe"] = errs
-    for r in results:
-        record["impls"][r.name] = vars(r)
-    record["ratios"] = ratios(results, gmm_name)
-    return record
+def merge(path: str, shapes: list[Shape], results: list[dict]) -> None:
+    """Adds the rows of an earlier run's --json where this run has no row that ran
+    (e.g. SonicMoE measured in a call of its own, for the 10-minute limit); marked *."""
+    with open(path) as f:
+        earlier = json.load(f)
+    for rec in earlier["shapes"]:
+        sh = Shape(**rec["shape"])
+        if vars(sh) not in [vars(s) for s in shapes]:
+            shapes.append(sh)
+        for b, r in rec["backends"].items():
+            mine = [x for x in results if x["backend"] == b and x["shape"] == vars(sh)]
+            if r.get("status") == "ok" and not any(x["status"] == "ok" for x in mine):
+                for x in mine:
+                    results.remove(x)
+                results.append({**r, "merged_from": path})
 
 
-def make_megamoe(lib, shape, inputs, args, device):
-    if isinstance(lib, str):  # the load error
-        raise RuntimeError(lib)
-    return MegaMoeImpl(lib, shape, inputs, args, device)
+def analyse(args, shapes: list[Shape], results: list[dict]) -> list[dict]:
+    """Per shape: the rows, the fastest baseline per phase, every row against it."""
+    records = []
+    for sh in shapes:
+        rows = {r["backend"]: r for r in results if r["shape"] == vars(sh)}
+        rec: dict[str, Any] = {"shape": vars(sh), "backends": rows, "best_baseline": {}, "vs_best": {}}
+        first_ok = next((r for r in rows.values() if r["status"] == "ok"), None)
+        if first_ok:
+            rec.update(routes=first_ok["routes"], load_max_over_mean=first_ok["load_max_over_mean"])
+        for p in PHASES:
+            cands = [(rows[b]["ms"][p], b) for b in BASELINES if b in rows and rows[b]["status"] == "ok"]
+            if cands:
+                ms, b = min(cands)
+                rec["best_baseline"][p] = {"backend": b, "ms": ms}
+        for b, r in rows.items():
+            if r["status"] == "ok" and rec["best_baseline"]:
+                rec["vs_best"][b] = {p: rec["best_baseline"][p]["ms"] / r["ms"][p] for p in rec["best_baseline"]}
+        records.append(rec)
+    return records
 
 
-def ratios(results: list[ImplResult], gmm_name: str) -> dict:
-    by = {r.name: r for r in results}
-    g, m = by.get(gmm_name), by.get("megamoe")
-    if not g or not m or not g.ms or not m.ms:
-        return {}
-    return {
-        "megamoe_over_grouped_mm": {p: m.ms[p] / g.ms[p] for p in g.ms},
-        "speedup_vs_grouped_mm": {p: g.ms[p] / m.ms[p] for p in g.ms},
-    }
-
-
-# ------------------------------------------------------------------ output
+def failures(args, records: list[dict], explicit: set[str]) -> list[str]:
+    out = []
+    for rec in records:
+        label = f"{rec['shape']['preset']} T={rec['shape']['tokens']}"
+        for b, r in rec["backends"].items():
+            if r["status"] == "ok" and r.get("flagged"):
+                out.append(f"{label} {b}: error vs fp64 above {ERR_FLAG:g}")
+            elif r["status"] in ("error", "skipped"):
+                out.append(f"{label} {b}: {r['status']}: {r['error']}")
+            elif r["status"] == "unavailable" and b in explicit:
+                out.append(f"{label} {b}: asked for but unavailable: {r['error']}")
+    return out
 
 
 def fmt(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def print_table(records: list[dict], peak_tflops: float):
-    head = f"{'shape':<24} {'impl':<22} {'fwd ms':>9} {'bwd ms':>9} {'f+b ms':>9} " \
-           f"{'TFLOPS':>7} {'%peak':>6} {'peak GiB':>9}  speedup vs grouped_mm fwd/bwd/f+b"
+def row_line(label: str, b: str, r: dict, vs: dict | None, peak: float) -> str:
+    if r["status"] != "ok":
+        return f"{label:<24} {b:<19} {r['status'].upper()}: {r['error']}"
+    if r.get("merged_from"):
+        b += "*"
+    ms, tf = r["ms"], r["tflops"]["fwd+bwd"]
+    m = r.get("memory") or {}
+    alloc = m.get("alloc_peak_bytes")
+    drv = m.get("driver_peak_bytes")
+    sp = "/".join(f"{vs[p]:.2f}" for p in PHASES if p in vs) + "x" if vs else "-"
+    chk = "FLAG" if r.get("flagged") else "ok"
+    return (f"{label:<24} {b:<19} {ms['fwd']:8.3f} {ms['bwd']:8.3f} {ms['fwd+bwd']:8.3f} {tf:7.1f} "
+            f"{100 * tf / peak:5.1f}% {sp:>17} {fmt(alloc and alloc / GIB, '7.2f'):>7} "
+            f"{fmt(drv and drv / GIB, '7.2f'):>7} {r.get('first_calls_s', 0):7.1f} {chk:>5}")
+
+
+def print_table(args, records: list[dict]):
+    head = (f"{'shape':<24} {'backend':<19} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'TFLOPS':>7} {'%peak':>6} "
+            f"{'vs best f/b/f+b':>17} {'alloc':>7} {'drv':>7} {'first s':>7} {'check':>5}")
     print(head)
     print("-" * len(head))
     for rec in records:
-        sh = rec["shape"]
-        label = f"{sh['preset']} T={sh['tokens']}"
-        gms = next((r["ms"] for n, r in rec["impls"].items() if n.startswith("grouped_mm")), {})
-        for name, r in rec["impls"].items():
-            if r["error"]:
-                print(f"{label:<24} {name:<22} ERROR {r['error']}")
-                continue
-            ms, tf = r["ms"], r["tflops"].get("fwd+bwd")
-            mem = None if r["peak_bytes"] is None else r["peak_bytes"] / GIB
-            sp = "/".join(f"{gms[p] / ms[p]:.2f}" for p in ms) + "x" if gms else "-"
-            print(f"{label:<24} {name:<22} {ms['fwd']:9.3f} {ms['bwd']:9.3f} {ms['fwd+bwd']:9.3f} "
-                  f"{tf:7.1f} {100 * tf / peak_tflops:5.1f}% {fmt(mem, '9.3f'):>9}  {sp}")
+        label = f"{rec['shape']['preset']} T={rec['shape']['tokens']}"
+        for b in [b for b in BACKENDS if b in rec["backends"]]:
+            print(row_line(label, b, rec["backends"][b], rec["vs_best"].get(b), args.peak))
             label = ""
 
 
 def print_notes(records: list[dict]):
     for rec in records:
         sh = rec["shape"]
-        label = f"{sh['preset']} T={sh['tokens']}"
-        print(f"\n{label}: {rec['routes']:.0f} routes, {rec['routing']} routing, "
-              f"busiest expert {rec['load_max_over_mean']:.2f}x the mean load")
-        rat = rec.get("ratios")
-        if rat:
-            t = rat["megamoe_over_grouped_mm"]
-            s = rat["speedup_vs_grouped_mm"]
-            print("  megamoe / grouped_mm time: " + "  ".join(f"{p} {v:.3f}" for p, v in t.items()))
-            print("  grouped_mm / megamoe (speedup): " + "  ".join(f"{p} {v:.2f}x" for p, v in s.items()))
-        m = rec["impls"].get("megamoe")
-        if m and m.get("workspace_bytes"):
-            print(f"  megamoe peak includes its workspace: {m['workspace_bytes'] / GIB:.3f} GiB "
-                  "(cudaMalloc'd outside torch's allocator)")
-        for name, errs in rec["errors_vs_grouped_mm"].items():
-            flag = not all(v <= ERR_FLAG for v in errs.values())  # NaN flags too
-            txt = "  ".join(f"{n} {v:.2e}" for n, v in errs.items())
-            print(f"  rel. error {name} vs grouped_mm: {txt}" + (f"   <-- FLAG > {ERR_FLAG:g}" if flag else ""))
+        line = f"\n{sh['preset']} T={sh['tokens']} (H {sh['hidden']}, I {sh['inter']}, E {sh['experts']}, k {sh['top_k']})"
+        if "routes" in rec:
+            line += f": {rec['routes']:.0f} routes, busiest expert {rec['load_max_over_mean']:.2f}x the mean load"
+        print(line)
+        if rec["best_baseline"]:
+            print("  best baseline: " + "  ".join(f"{p} {v['backend']} {v['ms']:.3f} ms"
+                                                  for p, v in rec["best_baseline"].items()))
+        for b, r in rec["backends"].items():
+            if r.get("merged_from"):
+                print(f"  {b:<19} * row from {r['merged_from']} (an earlier run)")
+            errs = r.get("errors_vs_fp64")
+            if errs:
+                txt = "  ".join(f"{n} {v:.2e}" for n, v in errs.items())
+                print(f"  {b:<19} rel. error vs fp64: {txt}" + (f"   <-- FLAG > {ERR_FLAG:g}" if r["flagged"] else ""))
+            lib = (r.get("info") or {}).get("library")
+            if lib:
+                print(f"  {b:<19} library: {lib}")
+            stats = (r.get("info") or {}).get("memory_stats")
+            if stats:
+                print(f"  {b:<19} memory_stats: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
 
 
-def print_header(args, device: torch.device):
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__} on {dev}; megamoe lib {args.lib} "
-          f"(bf16, save={args.save}, wgrad {args.wgrad_dtype}); peak {args.peak:g} TFLOP/s")
-    print(f"median of {args.iters} iters after {args.warmup} warm-up (hf_eager: {args.eager_iters} "
-          f"after {args.eager_warmup}); inputs rotate over {args.rotate} copies of x/dy/routing; "
-          f"L2 flushed before each timed region: {'yes' if args.flush_l2 and device.type == 'cuda' else 'no'}")
-    print(f"FLOPs: fwd 6*R*H*I, bwd 12*R*H*I (megamoe with recompute: 16), R = routes. "
-          f"grouped_mm groups padded to {args.gmm_align} rows (TorchTitan bf16 default 8). "
-          f"Peak memory = max_memory_allocated during one fwd+bwd minus what was allocated before.\n")
+def print_header(args, results: list[dict]):
+    dev = next((r.get("device_name") for r in results if r.get("device_name")), args.device)
+    tv = next((r.get("torch") for r in results if r.get("torch")), torch.__version__)
+    print(f"\ntorch {tv} on {dev}; bf16, megamoe save={args.save}; peak {args.peak:g} TFLOP/s; "
+          f"one process per backend and shape")
+    print(f"median of {args.iters} iters after {args.warmup} warm-up (hf_eager: {args.eager_iters} after "
+          f"{args.eager_warmup}), after one untimed first call per rotation slot ('first s': compile, load); "
+          f"inputs rotate over {args.rotate} copies of x/dy/routing; L2 flushed before each timed region: "
+          f"{'yes' if args.flush_l2 and args.device == 'cuda' else 'no'}")
+    print(f"FLOPs: fwd 6*R*H*I, bwd 12*R*H*I (megamoe --save recompute: 16), R = routes. vs best = fastest of "
+          f"{', '.join(BASELINES)} / this row, per phase (> 1: faster than every baseline).")
+    print("alloc GiB = torch.cuda.max_memory_allocated during one fwd+bwd minus the inputs' allocation; "
+          "drv GiB = peak device memory in use per the driver (mem_get_info, sampled) during it minus before it "
+          "(inputs, L2-flush buffer, context excluded).\n")
 
 
 # -------------------------------------------------------------------- main
 
 
+def csv_list(text: str) -> list[str]:
+    return [t for t in (s.strip() for s in text.split(",")) if t]
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--all", action="store_true", help="both Qwen3 presets x tokens 4096, 16384")
-    p.add_argument("--lib", default="build/libmegamoe_c.so")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--preset", nargs="+", choices=sorted(MODEL_PRESETS), help="default: both Qwen3 presets")
+    p.add_argument("--tokens", nargs="+", type=int, help="default: 16384")
+    p.add_argument("--all", action="store_true", help="30B and 235B at 16384 tokens, every backend (the default)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"30B at 16384 tokens, backends {','.join(QUICK_BACKENDS)} (unless --backends), 10 iters")
+    p.add_argument("--backends", type=csv_list,
+                   help=f"comma list of {','.join(BACKENDS)} (default {','.join(DEFAULT_BACKENDS)})")
+    p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode: one backend, one shape
+    p.add_argument("--lib", help="libmegamoe_c.so to load (sets MEGAMOE_LIBRARY for the package)")
     p.add_argument("--save", choices=["keep", "recompute"], default="keep")
-    p.add_argument("--wgrad-dtype", choices=["bf16", "fp32"], default="fp32")
+    p.add_argument("--wgrad-dtype", choices=["bf16"], default="bf16",
+                   help="accepted for old callers: megamoe.moe returns weight grads in the weights' dtype")
     p.add_argument("--routing", choices=["uniform", "skewed"], default="uniform")
     p.add_argument("--drop-frac", type=float, default=0.0, help="fraction of routes set to -1")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager-iters", type=int, default=3)
     p.add_argument("--eager-warmup", type=int, default=1)
-    p.add_argument("--skip-eager", action="store_true")
-    p.add_argument("--skip-megamoe", action="store_true")
     p.add_argument("--gmm-align", type=int, default=8,
                    help="pad each expert's rows to this multiple for grouped_mm (1: no padding)")
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode of grouped_mm_compile")
     p.add_argument("--rotate", type=int, default=3, help="copies of x/dy/routing used in turn")
     p.add_argument("--no-flush-l2", dest="flush_l2", action="store_false")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--peak", type=float, default=797.0, help="bf16 peak TFLOP/s for %%peak")
+    p.add_argument("--child-timeout", type=float, default=480.0, help="seconds per child process")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds for the whole run: later children are skipped (reported, exit 1), not started")
+    p.add_argument("--perturb", choices=BACKENDS,
+                   help="self-test: scale this backend's output by --perturb-scale; its check must flag")
+    p.add_argument("--perturb-scale", type=float, default=1.05)
+    p.add_argument("--log", metavar="PATH", help="append every child's output here")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="add the rows of earlier runs' --json files where this run has none that ran (marked *)")
     p.add_argument("--json", metavar="PATH")
-    return p.parse_args(argv)
-
-
-def load_lib(args):
-    """The library, or the reason it could not be loaded (shown in its rows)."""
-    if args.skip_megamoe:
-        return None
-    try:
-        return MegaMoeLib(args.lib)
-    except OSError as exc:
-        return f"cannot load {args.lib}: {exc}"
+    args = p.parse_args(argv)
+    if args.backend:  # child
+        if not args.json or len(args.preset or []) != 1 or len(args.tokens or []) != 1:
+            p.error("--backend (child mode) needs --json, one --preset and one --tokens")
+        return args
+    explicit = args.backends is not None
+    if args.quick:
+        args.preset = args.preset or ["qwen3-30b-a3b"]
+        args.backends = args.backends or list(QUICK_BACKENDS)
+        args.iters = min(args.iters, 10)
+        args.warmup = min(args.warmup, 3)
+    if args.all:
+        args.preset = list(ALL_PRESETS)
+    args.preset = args.preset or list(ALL_PRESETS)
+    args.tokens = args.tokens or [16384]
+    args.backends = args.backends or list(DEFAULT_BACKENDS)
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        p.error(f"--backends: unknown {bad}; choose from {','.join(BACKENDS)}")
+    args.explicit = set(args.backends) if explicit else set()
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            sys.exit("no CUDA device (use --device cpu for a smoke test)")
-        device = torch.device("cuda", torch.cuda.current_device())
-    shapes = [Shape.of(p, t) for p, t in ALL_SHAPES] if args.all else [Shape.of(args.preset, args.tokens)]
-    lib = load_lib(args)
-    clock = Clock(device, args.flush_l2)
-    print_header(args, device)
-    records = []
-    for shape in shapes:
-        records.append(run_shape(shape, args, device, clock, lib))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the shape's inputs and reference are gone
-    print_table(records, args.peak)
-    print_notes(records)
-    if args.json:
-        meta = {"torch": torch.__version__, "device": str(device), "args": vars(args)}
+    if args.lib:
+        if not os.path.isfile(args.lib):  # the package would quietly fall back to another copy
+            sys.exit(f"compare_torch: --lib {args.lib}: no such file")
+        os.environ["MEGAMOE_LIBRARY"] = os.path.abspath(args.lib)
+    if args.backend:
+        res = run_child(args)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "shapes": records}, f, indent=1)
+            json.dump(res, f)
+        return 0 if res["status"] in ("ok", "unavailable") else 1
+
+    # The parent never touches the GPU: a CUDA context here would count in every child's driver numbers.
+    shapes = [Shape.of(p, t) for p in args.preset for t in args.tokens]
+    results: list[dict] = []
+    peak = args.peak
+
+    def on_result(r: dict):
+        results.append(r)
+        label = f"{r['shape']['preset']} T={r['shape']['tokens']}"
+        print(row_line(label, r["backend"], r, None, peak), file=sys.stderr, flush=True)
+
+    run_children(args, shapes, args.backends, on_result)
+    for path in args.merge or []:
+        merge(path, shapes, results)
+    records = analyse(args, shapes, results)
+    print_header(args, results)
+    print_table(args, records)
+    print_notes(records)
+    fails = failures(args, records, args.explicit)
+    if args.json:
+        meta = {"torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "explicit"},
+                "err_flag": ERR_FLAG, "baselines": BASELINES}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "shapes": records, "failures": fails}, f, indent=1)
         print(f"\nwrote {args.json}")
+    if fails:
+        print("\nFAILED:\n  " + "\n  ".join(fails))
+        return 1
     return 0
 
 

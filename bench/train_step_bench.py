@@ -1,95 +1,386 @@
-"""End-to-end training-step benchmark: a Qwen3-30B-A3B-shaped model (fewer
-layers) with activation checkpointing, the same data and initial weights for
-every MoE dispatch type (mega_moe, grouped_mm, eager) in one process; prints
-step time, tokens/s/GPU, peak memory and the first losses of each.
+#!/usr/bin/env python3
+"""End-to-end training-step benchmark: a Qwen3-MoE causal LM at a preset's layer
+shapes (default Qwen3-30B-A3B, fewer layers), the same data and initial weights
+for every MoE dispatch type, each (layers, checkpointing, dispatch) in its own
+process (this script with --child), built and stepped by megamoe.train
+(build_model, batches, train_step: the trainer's own step, not a copy).
 
-    python3 bench/train_step_bench.py --layers 8 --seq 4096 --batch 2 --steps 6
+  mega_moe            megamoe's experts (use_megamoe_experts)
+  grouped_mm          transformers' grouped_mm experts implementation, eager
+  grouped_mm_compile  the same, every decoder layer under torch.compile (regional
+                      compilation: one compiled graph reused by all layers)
+  eager               transformers' per-expert loop (slow; opt-in)
+
+Per row: median step ms, tokens/s, torch.cuda.max_memory_allocated, device
+memory in use per the driver (torch.cuda.mem_get_info total - free, minus the
+bare CUDA context) sampled after every step and right after every backward
+(an optimizer step pre-hook, no sync), megamoe.memory_stats() for mega_moe.
+Then the growth per added layer (memory at the most layers minus at the fewest,
+divided by the layer difference) and mega_moe over the grouped_mm rows. Exit
+status 1 when a row fails, is skipped, or its first loss differs from
+grouped_mm's by more than the flag.
+
+    python3 bench/train_step_bench.py                                   # layers 8,16 x ckpt on,off x 3 dispatch
+    python3 bench/train_step_bench.py --layers 8 --checkpointing on --dispatch mega_moe,grouped_mm
+    python3 bench/train_step_bench.py --device cpu --preset tiny --layers 1,2 --seq 64 --batch 2   # plumbing
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from megamoe import train  # noqa: E402
 
+DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager")
+DEFAULT_DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile")
+LOSS_FLAG = 2e-2  # relative difference of the first step's loss vs grouped_mm that fails the run
+GIB = float(1 << 30)
 
-def run(dispatch: str, args) -> dict:
-    cfg = train.TrainConfig(preset=args.preset, num_layers=args.layers, steps=args.steps, batch_size=args.batch,
-                            seq_len=args.seq, lr=args.lr, device="cuda", dtype="bfloat16",
-                            activation_checkpointing=True, seed=args.seed, dispatch=dispatch, precision="bf16")
-    train.validate(cfg)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = train.build_model(cfg, torch.device("cuda"))
-    data = train.load_data(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    it = train.batches(data, cfg, torch.device("cuda"))
-    base = torch.cuda.memory_allocated()
-    losses, times = [], []
-    steps = args.eager_steps if dispatch == "eager" else cfg.steps
-    for _ in range(steps):
-        inputs, labels = next(it)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = train.train_step(model, opt, inputs, labels)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss.item())
-    timed = times[1:] if len(times) > 1 else times  # the first step loads kernels and allocates
-    ms = statistics.median(timed)
-    out = {"dispatch": dispatch, "step_ms": ms, "tokens_per_s": cfg.batch_size * cfg.seq_len / (ms / 1e3),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "model_gib": base / 2**30, "losses": losses}
-    del model, opt
+
+def log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeError("no model.model.layers to compile")
+    return list(layers)
+
+
+# ------------------------------------------------------------------ child
+
+
+def run_child(args) -> dict:
+    dispatch, layers, ckpt = args.dispatch[0], args.layers[0], args.checkpointing == "on"
+    res: dict[str, Any] = {"dispatch": dispatch, "layers": layers, "checkpointing": ckpt, "status": "error",
+                           "error": None, "torch": torch.__version__}
+    phase = "setup"
+    try:
+        cuda = args.device == "cuda"
+        device = torch.device(args.device)
+        if cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device (use --device cpu for a plumbing test)")
+            device = torch.device("cuda", torch.cuda.current_device())
+            torch.zeros(1, device=device)  # the CUDA context
+            res["device_name"] = torch.cuda.get_device_name(device)
+
+        def used() -> int:
+            free, total = torch.cuda.mem_get_info(device)
+            return total - free
+
+        context = used() if cuda else 0
+        import transformers
+
+        res["transformers"] = transformers.__version__
+        cfg = train.TrainConfig(preset=args.preset, num_layers=layers, steps=args.warmup + args.steps,
+                                batch_size=args.batch, seq_len=args.seq, lr=args.lr, device=args.device,
+                                dtype="bfloat16" if cuda else "float32", activation_checkpointing=ckpt,
+                                seed=args.seed, precision="bf16",
+                                dispatch="grouped_mm" if dispatch == "grouped_mm_compile" else dispatch)
+        train.validate(cfg)
+        phase = "build"
+        model = train.build_model(cfg, device)
+        if dispatch == "grouped_mm_compile":
+            for layer in decoder_layers(model):
+                layer.compile()
+        data = train.load_data(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        it = train.batches(data, cfg, device)
+        res["params"] = sum(p.numel() for p in model.parameters())
+        if cuda:
+            torch.cuda.synchronize()
+            res["after_build"] = {"alloc_bytes": torch.cuda.memory_allocated(device), "driver_bytes": used() - context}
+
+        after_bwd: list[dict] = []
+
+        def post_backward(_opt, _args, _kwargs):
+            # Called by opt.step() inside train_step, right after loss.backward(). The
+            # numbers are host-side (allocator bookkeeping, the driver's count), so no sync.
+            if cuda:
+                after_bwd.append({"alloc_bytes": torch.cuda.memory_allocated(device), "driver_bytes": used() - context})
+
+        opt.register_step_pre_hook(post_backward)
+        phase = "steps"
+        warmup = args.eager_warmup if dispatch == "eager" else args.warmup
+        steps = args.eager_steps if dispatch == "eager" else args.steps
+        times, losses, after_step = [], [], []
+        for _ in range(warmup + steps):
+            inputs, labels = next(it)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = train.train_step(model, opt, inputs, labels)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            losses.append(loss.item())
+            if cuda:
+                after_step.append({"alloc_bytes": torch.cuda.memory_allocated(device),
+                                   "driver_bytes": used() - context})
+        timed = times[warmup:]
+        ms = statistics.median(timed)
+        res.update(step_ms=ms, step_ms_all=times, warmup=warmup, steps=steps, first_step_s=times[0] / 1e3,
+                   tokens_per_s=cfg.batch_size * cfg.seq_len / (ms / 1e3), losses=losses,
+                   after_step=after_step, after_backward=after_bwd)
+        if cuda:
+            samples = [s["driver_bytes"] for s in after_step + after_bwd]
+            res["memory"] = {
+                "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                "driver_peak_bytes": max(samples),
+                "driver_after_backward_bytes": max(s["driver_bytes"] for s in after_bwd) if after_bwd else None,
+                "context_bytes": context,
+            }
+        if dispatch == "mega_moe":
+            import megamoe
+
+            stats = getattr(megamoe, "memory_stats", None)
+            if stats is not None:
+                res["megamoe_memory_stats"] = stats()
+        if not all(math.isfinite(v) for v in losses):
+            raise RuntimeError(f"non-finite loss: {losses}")
+        res["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the row says what failed
+        res["error"] = f"{phase}: {type(exc).__name__}: {exc}".splitlines()[0][:400]
+        res["traceback"] = traceback.format_exc()[-4000:]
+        log(res["traceback"])
+    return res
+
+
+# ------------------------------------------------------------------ parent
+
+
+def child_argv(args, layers: int, ckpt: str, dispatch: str, out_json: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--dispatch", dispatch, "--layers", str(layers),
+            "--checkpointing", ckpt, "--json", out_json]
+    for k in ("preset", "seq", "batch", "steps", "warmup", "eager_steps", "eager_warmup", "lr", "seed", "device"):
+        argv += ["--" + k.replace("_", "-"), str(getattr(args, k))]
+    return argv
+
+
+def run_children(args, on_result) -> None:
+    start = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="train_step_bench.")
+    logf = open(args.log, "a") if args.log else None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    order = [(L, c, d) for L in args.layers for c in args.ckpt for d in args.dispatch]
+    try:
+        for i, (layers, ckpt, dispatch) in enumerate(order):
+            base = {"dispatch": dispatch, "layers": layers, "checkpointing": ckpt == "on", "status": "error"}
+            limit = args.child_timeout
+            if args.deadline:
+                left = args.deadline - (time.monotonic() - start)
+                if left < 20:
+                    on_result({**base, "status": "skipped", "error": f"--deadline {args.deadline:g} s reached"})
+                    continue
+                limit = min(limit, left)
+            out_json = os.path.join(tmp, f"{i}.json")
+            log(f"[layers {layers}, ckpt {ckpt}] {dispatch}: child process (limit {limit:.4g} s)")
+            t0 = time.monotonic()
+            proc = subprocess.Popen(child_argv(args, layers, ckpt, dispatch, out_json), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
+                                    errors="replace")
+            chunks: list[str] = []
+            reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+                proc.wait()
+            reader.join(timeout=10)
+            output = "".join(chunks)
+            wall = time.monotonic() - t0
+            if logf:
+                logf.write(f"===== {dispatch} layers={layers} ckpt={ckpt} rc={proc.returncode} {wall:.1f} s\n"
+                           f"{output}\n")
+                logf.flush()
+            try:
+                with open(out_json) as f:
+                    res = json.load(f)
+            except (OSError, ValueError):
+                why = f"timed out after {limit:.4g} s" if timed_out else f"child exited with {proc.returncode}"
+                tail = " | ".join(output.strip().splitlines()[-3:])
+                res = {**base, "error": f"{why}: {tail}"[:400]}
+            res["wall_s"] = wall
+            on_result(res)
+    finally:
+        if logf:
+            logf.close()
+
+
+def gib(v) -> str:
+    return "-" if v is None else f"{v / GIB:.2f}"
+
+
+def mem(r: dict, key: str):
+    return (r.get("memory") or {}).get(key)
+
+
+def row_line(r: dict) -> str:
+    lead = f"{r['layers']:>6} {'on' if r['checkpointing'] else 'off':>4} {r['dispatch']:<19}"
+    if r["status"] != "ok":
+        return f"{lead} {r['status'].upper()}: {r['error']}"
+    scratch = (r.get("megamoe_memory_stats") or {}).get("scratch_bytes")
+    return (f"{lead} {r['step_ms']:9.1f} {r['tokens_per_s']:10.0f} {gib(mem(r, 'max_memory_allocated_bytes')):>9} "
+            f"{gib(mem(r, 'driver_peak_bytes')):>9} {gib(mem(r, 'driver_after_backward_bytes')):>9} "
+            f"{'-' if scratch is None else f'{scratch / 2**20:.0f}':>8} {r['first_step_s']:7.1f}  "
+            + " ".join(f"{v:.4f}" for v in r["losses"][:3]))
+
+
+def report(args, results: list[dict]) -> list[str]:
+    fails = []
+    dev = next((r.get("device_name") for r in results if r.get("device_name")), args.device)
+    tv = next((r.get("torch") for r in results if r.get("torch")), torch.__version__)
+    tf = next((r.get("transformers") for r in results if r.get("transformers")), "?")
+    print(f"\ntorch {tv}, transformers {tf}, {dev}; {args.preset}, batch {args.batch} x seq {args.seq}; "
+          f"median of {args.steps} steps after {args.warmup} (eager {args.eager_steps} after {args.eager_warmup}); "
+          "one process per row")
+    print("alloc = torch.cuda.max_memory_allocated; drv = device memory in use per the driver minus the CUDA "
+          "context, max over samples after every step and after every backward; drv bwd = max of the after-backward "
+          "samples; scratch = megamoe.memory_stats() scratch_bytes. GiB.\n")
+    head = (f"{'layers':>6} {'ckpt':>4} {'dispatch':<19} {'step ms':>9} {'tok/s':>10} {'alloc':>9} {'drv':>9} "
+            f"{'drv bwd':>9} {'scr MiB':>8} {'first s':>7}  first losses")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(row_line(r))
+        if r["status"] != "ok":
+            fails.append(f"layers {r['layers']} ckpt {r['checkpointing']} {r['dispatch']}: {r['status']}: {r['error']}")
+    ok = {(r["layers"], r["checkpointing"], r["dispatch"]): r for r in results if r["status"] == "ok"}
+
+    # Growth per added layer, per (dispatch, ckpt).
+    if len(args.layers) > 1:
+        lo, hi = min(args.layers), max(args.layers)
+        print(f"\nper added layer (layers {hi} minus {lo}, divided by {hi - lo}), GiB:")
+        for c in args.ckpt:
+            for d in args.dispatch:
+                a, b = ok.get((lo, c == "on", d)), ok.get((hi, c == "on", d))
+                if not (a and b):
+                    continue
+                parts = []
+                for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
+                    if mem(a, key) is not None and mem(b, key) is not None:
+                        parts.append(f"{name} {(mem(b, key) - mem(a, key)) / (hi - lo) / GIB:.3f}")
+                parts.append(f"step {(b['step_ms'] - a['step_ms']) / (hi - lo):.1f} ms")
+                print(f"  ckpt {c:<3} {d:<19} " + "  ".join(parts))
+
+    # mega_moe over each grouped_mm row, and the loss check.
+    print("\nmega_moe / baseline (step time, alloc, drv; < 1 = mega_moe smaller):")
+    for L in args.layers:
+        for c in args.ckpt:
+            m = ok.get((L, c == "on", "mega_moe"))
+            ref = ok.get((L, c == "on", "grouped_mm"))
+            for d in ("grouped_mm", "grouped_mm_compile"):
+                g = ok.get((L, c == "on", d))
+                if m and g:
+                    parts = [f"step {m['step_ms'] / g['step_ms']:.3f}"]
+                    for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
+                        if mem(m, key) and mem(g, key):
+                            parts.append(f"{name} {mem(m, key) / mem(g, key):.3f}")
+                    print(f"  layers {L:<3} ckpt {c:<3} vs {d:<19} " + "  ".join(parts))
+            if ref:
+                for d in args.dispatch:
+                    r = ok.get((L, c == "on", d))
+                    if r and d != "grouped_mm":
+                        diff = abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
+                        r["first_loss_rel_diff_vs_grouped_mm"] = diff
+                        if diff > LOSS_FLAG:
+                            fails.append(f"layers {L} ckpt {c} {d}: first loss {r['losses'][0]:.5f} vs grouped_mm "
+                                         f"{ref['losses'][0]:.5f} (rel. diff {diff:.2e} > {LOSS_FLAG:g})")
+    diffs = [r["first_loss_rel_diff_vs_grouped_mm"] for r in ok.values() if "first_loss_rel_diff_vs_grouped_mm" in r]
+    if diffs:
+        print(f"\nlargest relative difference of the first step's loss vs grouped_mm: {max(diffs):.2e} "
+              f"(flag > {LOSS_FLAG:g}; same weights and data)")
+    return fails
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def csv_names(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in DISPATCHES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(DISPATCHES)}")
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=8)
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(train.PRESETS))
+    ap.add_argument("--layers", type=csv_ints, default=[8, 16], help="comma list (default 8,16)")
+    ap.add_argument("--checkpointing", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--dispatch", type=csv_names, default=list(DEFAULT_DISPATCHES),
+                    help=f"comma list of {','.join(DISPATCHES)} (default {','.join(DEFAULT_DISPATCHES)})")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--eager-steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile, allocation)")
+    ap.add_argument("--eager-steps", type=int, default=2)
+    ap.add_argument("--eager-warmup", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dispatch", nargs="+", default=["mega_moe", "grouped_mm", "eager"])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    import transformers
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}; "
-          f"{args.preset} x {args.layers} layers, batch {args.batch} x seq {args.seq}, activation checkpointing on")
-    results = []
-    for d in args.dispatch:
-        try:
-            results.append(run(d, args))
-        except Exception as e:  # keep the other rows
-            results.append({"dispatch": d, "error": f"{type(e).__name__}: {e}"})
-        print(json.dumps(results[-1]), flush=True)
-    ref = next((r for r in results if r["dispatch"] == "grouped_mm" and "error" not in r), None)
-    print(f"\n{'dispatch':<12}{'step ms':>10}{'tok/s/GPU':>12}{'peak GiB':>10}{'vs grouped_mm':>15}  first losses")
-    for r in results:
-        if "error" in r:
-            print(f"{r['dispatch']:<12} ERROR {r['error']}")
-            continue
-        speed = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
-        print(f"{r['dispatch']:<12}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}{r['peak_gib']:>10.2f}{speed:>15}  "
-              + " ".join(f"{l:.4f}" for l in r["losses"][:3]))
-    ok = [r for r in results if "error" not in r]
-    if len(ok) > 1:
-        n = min(len(r["losses"]) for r in ok)
-        worst = max(abs(a["losses"][i] - b["losses"][i]) / abs(b["losses"][i])
-                    for a in ok for b in ok for i in range(min(n, 3)))
-        print(f"largest relative loss difference over the first steps: {worst:.2e} (bf16 noise is ~1e-2)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--child-timeout", type=float, default=300.0, help="seconds per child process")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds for the whole run: later rows are skipped (reported, exit 1), not started")
+    ap.add_argument("--log", metavar="PATH", help="append every child's output here")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        if args.checkpointing == "both" or len(args.layers) != 1 or len(args.dispatch) != 1 or not args.json:
+            ap.error("--child needs one --layers, one --dispatch, --checkpointing on|off and --json")
+    args.ckpt = ["on", "off"] if args.checkpointing == "both" else [args.checkpointing]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        res = run_child(args)
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+        return 0 if res["status"] == "ok" else 1
+    # The parent never touches the GPU: its CUDA context would count in every child's driver numbers.
+    t0 = time.monotonic()
+    results: list[dict] = []
+
+    def on_result(r):
+        results.append(r)
+        print(row_line(r), file=sys.stderr, flush=True)
+
+    run_children(args, on_result)
+    fails = report(args, results)
+    print(f"\n{len(results)} rows in {time.monotonic() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": results, "failures": fails}, indent=1))
+    if fails:
+        print("\nFAILED:\n  " + "\n  ".join(fails))
+        return 1
     return 0
 
 
