@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import buffer_sizes, moe, reserve_scratch
+from .ops import moe
 
 
 class MegaMoEExperts(nn.Module):
@@ -15,16 +15,13 @@ class MegaMoEExperts(nn.Module):
     top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
-                 save: str = "keep", max_tokens: int | None = None, device=None, dtype=None):
+                 save: str = "keep", device=None, dtype=None):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = num_experts, hidden, intermediate, top_k
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
-        self.precision, self.save, self.max_tokens = precision, save, max_tokens
-        # max_tokens (optional): reserve the shared scratch for this many tokens at the first call.
+        self.precision, self.save = precision, save
         self._megamoe_config = {"precision": precision, "save": save}
-        if max_tokens is not None:
-            self._megamoe_config["max_tokens"] = max_tokens
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
         nn.init.normal_(self.down_proj, std=intermediate ** -0.5)
 
@@ -36,24 +33,8 @@ def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_
     """Experts forward for any module holding gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     (megamoe's MegaMoEExperts or transformers' Qwen3MoeExperts)."""
     cfg = getattr(experts, "_megamoe_config", {})
-    precision, save = cfg.get("precision", "bf16"), cfg.get("save", "keep")
-    if hidden_states.is_cuda and not torch.compiler.is_compiling():
-        _register_scratch(experts, hidden_states.device, top_k_index.shape[-1], cfg)
     return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
-               precision=precision, save=save)
-
-
-def _register_scratch(experts: nn.Module, device: torch.device, top_k: int, cfg: dict) -> None:
-    # Once per layer and device: the shared scratch is then sized for the
-    # largest registered layer at its max_tokens (no regrowth mid-training).
-    registered = experts.__dict__.setdefault("_megamoe_registered", set())
-    if device in registered or "max_tokens" not in cfg:
-        return
-    E, two_i, H = experts.gate_up_proj.shape
-    scratch, _ = buffer_sizes(cfg["max_tokens"], H, two_i // 2, E, top_k, precision=cfg.get("precision", "bf16"),
-                              save=cfg.get("save", "keep"))
-    reserve_scratch(device, scratch)
-    registered.add(device)
+               precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"))
 
 
 class MoE(nn.Module):
@@ -61,12 +42,12 @@ class MoE(nn.Module):
     optional renormalisation of the k weights."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
-                 precision: str = "bf16", save: str = "keep", max_tokens: int | None = None, device=None, dtype=None):
+                 precision: str = "bf16", save: str = "keep", device=None, dtype=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = MegaMoEExperts(num_experts, hidden, intermediate, top_k, precision=precision, save=save,
-                                      max_tokens=max_tokens, device=device, dtype=dtype)
+                                      device=device, dtype=dtype)
 
     def route(self, h: torch.Tensor):
         probs = F.softmax(self.gate(h).float(), dim=-1)
@@ -82,8 +63,7 @@ class MoE(nn.Module):
         return self.experts(h, index, weights).reshape(shape)
 
 
-def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep",
-                        max_tokens: int | None = None) -> int:
+def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep") -> int:
     """Makes every Hugging Face MoE experts module of `model` (transformers v5
     layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], e.g. Qwen3MoeExperts)
     run on megamoe. Parameters, their names and layouts are untouched, so
@@ -96,8 +76,6 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
         if isinstance(module, MegaMoEExperts):
             continue
         module._megamoe_config = {"precision": precision, "save": save}
-        if max_tokens is not None:
-            module._megamoe_config["max_tokens"] = max_tokens
         module.forward = _bound_forward(module)
         count += 1
     if count == 0:

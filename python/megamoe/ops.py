@@ -15,9 +15,9 @@ Memory (DESIGN.md section 3): the library keeps no state between calls.
     backward can only ever see its own forward's state. It is empty with
     save="recompute", on CPU, and when no gradient is needed (no_grad,
     inference_mode).
-  - Scratch (pools, combine slots) is one torch uint8 tensor per (device,
-    stream), shared by every layer, grown to the largest call (or the largest
-    layer registered with reserve_scratch) and never duplicated per layer.
+  - Scratch (pools, combine slots) is taken from PyTorch's caching allocator
+    for the duration of each call: one block, reused by every layer in turn,
+    and free for other tensors between calls. Nothing is held per layer.
 Errors the kernels find (a bad expert id, a timed-out wait) are raised by the
 next megamoe call on that device that starts after the failing kernel ran, by
 megamoe.check(), or by the call itself with validate=True / MEGAMOE_CHECK=1.
@@ -70,44 +70,27 @@ def buffer_sizes(T: int, H: int, I: int, E: int, k: int, *, precision: str = "bf
     return scratch.value, saved.value
 
 
-# ---- shared scratch -----------------------------------------------------------
+# ---- scratch ---------------------------------------------------------------------
+# Scratch is taken from PyTorch's caching allocator for each call and handed
+# back when the call's kernels are queued: the allocator gives every layer the
+# same block (stream-ordered, so reuse is safe), and between megamoe calls the
+# memory serves other tensors. Measured on the H200 (docs/perf-log.md): a
+# persistent per-device buffer kept ~0.9 GiB out of PyTorch's reach at the
+# peak of a checkpointed step and put the step above the grouped_mm pipeline.
 _LOCK = threading.Lock()
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> uint8 tensor
-_RESERVED: dict[int, int] = {}  # device index -> bytes of the largest registered layer
-
-
-def reserve_scratch(device: torch.device | str | int, nbytes: int) -> None:
-    """Registers a layer's scratch need on `device`: the next scratch allocated
-    there is at least this large (so layers of different sizes cause no regrowth)."""
-    index = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    index = index.index if index.index is not None else torch.cuda.current_device()
-    with _LOCK:
-        _RESERVED[index] = max(_RESERVED.get(index, 0), int(nbytes))
+_SCRATCH_PEAK: dict[int, int] = {}  # device index -> largest scratch of one call
 
 
 def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device)
-    key = (device.index, stream.cuda_stream)
     with _LOCK:
-        buf = _SCRATCH.get(key)
-        if buf is None or buf.numel() < nbytes:
-            # The old buffer goes back to PyTorch's caching allocator, which
-            # reuses it only after the work queued on this stream.
-            size = max(nbytes, _RESERVED.get(device.index, 0))
-            buf = _SCRATCH[key] = torch.empty(size, dtype=torch.uint8, device=device)
-        return buf
+        _SCRATCH_PEAK[device.index] = max(_SCRATCH_PEAK.get(device.index, 0), nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def memory_stats() -> dict:
-    """Device bytes megamoe holds between calls (the shared scratch buffers)."""
+    """The largest scratch one call took (bytes, over all devices); megamoe holds no memory between calls."""
     with _LOCK:
-        return {"scratch_bytes": sum(t.numel() for t in _SCRATCH.values()), "scratch_buffers": len(_SCRATCH)}
-
-
-def release_scratch() -> None:
-    """Drops the shared scratch buffers (they go back to PyTorch's allocator)."""
-    with _LOCK:
-        _SCRATCH.clear()
+        return {"scratch_bytes": max(_SCRATCH_PEAK.values(), default=0)}
 
 
 def check(device: torch.device | str | int | None = None) -> None:

@@ -165,7 +165,6 @@ def build_model(cfg: TrainConfig, device: torch.device):
 
     torch.manual_seed(cfg.seed)
     p = PRESETS[cfg.preset]
-    tokens = cfg.batch_size * cfg.seq_len
     mcfg = Qwen3MoeConfig(vocab_size=256, num_hidden_layers=cfg.num_layers, intermediate_size=p["moe_intermediate_size"],
                           max_position_embeddings=max(cfg.seq_len, 128), decoder_sparse_step=1,
                           norm_topk_prob=True, output_router_logits=False, tie_word_embeddings=False, **p)
@@ -175,7 +174,7 @@ def build_model(cfg: TrainConfig, device: torch.device):
     with torch.device(device):
         model = Qwen3MoeForCausalLM(mcfg).to(dtype)
     if cfg.dispatch == "mega_moe":
-        use_megamoe_experts(model, precision=cfg.precision, max_tokens=tokens)
+        use_megamoe_experts(model, precision=cfg.precision)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -233,15 +233,14 @@ def test_strided_inputs_and_huge_ids():
 
 
 @cuda_only
-def test_cuda_interleaved_calls_share_scratch_and_keep_their_own_state():
-    # Two layers' forwards, then their backwards in reverse, with a larger call
-    # in between that grows the shared scratch: gradients equal isolated runs.
+def test_cuda_interleaved_calls_keep_their_own_state():
+    # Two layers' forwards, then their backwards in reverse, the second larger
+    # (its scratch reuses and outgrows the first's): gradients equal isolated runs.
     a = random_inputs(T=300, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", seed=1)
     b = random_inputs(T=700, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", seed=2)
     alone = [grads(megamoe.moe, inputs) for inputs in (a, b)]
     for t in a + b:
         t.grad = None
-    megamoe.release_scratch()
     ya = megamoe.moe(*a)
     yb = megamoe.moe(*b)  # larger: the scratch grows
     for y, inputs, ref in ((yb, b, alone[1]), (ya, a, alone[0])):
@@ -249,7 +248,7 @@ def test_cuda_interleaved_calls_share_scratch_and_keep_their_own_state():
         (y * dy).sum().backward()
         for got, want in zip([inputs[0].grad, inputs[2].grad, inputs[3].grad, inputs[4].grad], ref[1:]):
             assert torch.equal(got, want)
-    assert megamoe.memory_stats()["scratch_buffers"] == 1
+    assert megamoe.memory_stats()["scratch_bytes"] >= megamoe.buffer_sizes(700, 256, 128, 8, 2)[0]
     megamoe.check()
 
 
