@@ -74,6 +74,8 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 Status run_cuda(const MoeProblem& problem, const MoeOptions& options, const testing::LayerData& data,
                 testing::LayerOutputs* out, double* fwd_ms, double* bwd_ms) {
 #ifdef MEGAMOE_WITH_CUDA
+  std::string why;
+  if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
   testing::DeviceBuffers buffers;
   MEGAMOE_RETURN_IF_ERROR(testing::make_device_buffers(problem, options, true, 0, &buffers));
   const MoeBuffers b = buffers.view();
