@@ -79,11 +79,13 @@ megamoe::MoeBuffers buffers_of(const megamoe_buffer* saved, const megamoe_buffer
   return b;
 }
 
-// The token count comes from x.
-Status tokens_of(const TensorView& x, int64_t* T) {
+// Problem and options of one call; the token count comes from x.
+Status prepare_call(const megamoe_config* config, const TensorView& x, void* stream, megamoe::MoeProblem* p,
+                    megamoe::MoeOptions* o) {
   if (x.data == nullptr && x.rank == 0) return megamoe::invalid_argument("x: null");
   if (x.rank != 2) return megamoe::invalid_argument("x: expected shape [T, H], got " + x.shape_string());
-  *T = x.shape[0];
+  MEGAMOE_RETURN_IF_ERROR(to_problem(config, x.shape[0], p, o));
+  o->cuda_stream = stream;
   return Status::Ok();
 }
 
@@ -115,11 +117,8 @@ int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
     megamoe::MoeProblem p;
     megamoe::MoeOptions o;
-    int64_t T = 0;
-    Status st = tokens_of(in.x, &T);
-    if (st.ok()) st = to_problem(config, T, &p, &o);
+    Status st = prepare_call(config, in.x, stream, &p, &o);
     if (!st.ok()) return fail(st);
-    o.cuda_stream = stream;
     if (in.x.device == megamoe::DeviceType::kCUDA)
       return fail(megamoe::detail::cuda_forward(p, o, in, view_of(y), buffers_of(saved, scratch)));
     return fail(megamoe::moe_forward(p, o, in, view_of(y), nullptr));
@@ -136,11 +135,8 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
     const megamoe::MoeGrads g{view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)};
     megamoe::MoeProblem p;
     megamoe::MoeOptions o;
-    int64_t T = 0;
-    Status st = tokens_of(in.x, &T);
-    if (st.ok()) st = to_problem(config, T, &p, &o);
+    Status st = prepare_call(config, in.x, stream, &p, &o);
     if (!st.ok()) return fail(st);
-    o.cuda_stream = stream;
     if (in.x.device == megamoe::DeviceType::kCUDA)
       return fail(megamoe::detail::cuda_backward(p, o, in, view_of(dy), g, buffers_of(saved, scratch)));
     // CPU reference: the forward's intermediates are recomputed (dx is its scratch y).

@@ -80,8 +80,7 @@ Status begin_call(const MoeProblem& p, const MoeOptions& o, const MoeInputs& in,
   const auto stream = static_cast<cudaStream_t>(o.cuda_stream);
   MEGAMOE_RETURN_IF_ERROR(cuda::take_device_error(device, stream));
   call->errors.timeout_ns = static_cast<uint64_t>(o.device_timeout_ms) * 1000000u;
-  return cuda::prepare_layer_call(dims_of(p), device, stream, {b.scratch, b.scratch_bytes, b.saved, b.saved_bytes},
-                                  call);
+  return cuda::prepare_layer_call(dims_of(p), device, stream, b, call);
 }
 
 Status end_call(const MoeOptions& o, const cuda::LayerCall& call, Status launched) {
@@ -101,8 +100,7 @@ Status cuda_forward(const MoeProblem& problem, const MoeOptions& options, const 
   MEGAMOE_RETURN_IF_ERROR(check_aligned("y", y));
   MEGAMOE_RETURN_IF_ERROR(check_same_device({{"y", &y}}, call.device));
   return end_call(options, call,
-                  cuda::layer_forward(call, layer_inputs(inputs), y.data,
-                                      {buffers.scratch, buffers.scratch_bytes, buffers.saved, buffers.saved_bytes}));
+                  cuda::layer_forward(call, layer_inputs(inputs), y.data, buffers));
 }
 
 Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
@@ -122,8 +120,7 @@ Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const
   const cuda::LayerGrads g{grads.dx.data, static_cast<float*>(grads.d_topk_weights.data), grads.dw13.data,
                            grads.dw2.data, grads.dw13.dtype == DType::kF32, options.accumulate_weight_grads};
   return end_call(options, call,
-                  cuda::layer_backward(call, layer_inputs(inputs), dy.data, g,
-                                       {buffers.scratch, buffers.scratch_bytes, buffers.saved, buffers.saved_bytes}));
+                  cuda::layer_backward(call, layer_inputs(inputs), dy.data, g, buffers));
 }
 
 Status cuda_check_device_errors(int device, void* stream) {

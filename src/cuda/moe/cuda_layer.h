@@ -16,6 +16,7 @@
 
 #include "core/layer_buffers.h"
 #include "cuda/common/device_errors.h"
+#include "megamoe/moe.h"
 #include "megamoe/status.h"
 
 namespace megamoe::cuda {
@@ -38,13 +39,9 @@ struct LayerGrads {
   bool accumulate;  // fp32 only: add to dw13/dw2
 };
 
-// scratch: scratch_layout(dims, saved == nullptr).bytes; saved: saved_layout(dims).bytes or null.
-struct LayerBuffers {
-  void* scratch = nullptr;
-  size_t scratch_bytes = 0;
-  void* saved = nullptr;
-  size_t saved_bytes = 0;
-};
+// Buffers are megamoe::MoeBuffers: scratch of scratch_layout(dims, saved == nullptr).bytes,
+// saved of saved_layout(dims).bytes or null.
+using LayerBuffers = MoeBuffers;
 
 struct LayerCall {
   LayerDims dims;
