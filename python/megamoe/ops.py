@@ -33,6 +33,8 @@ import torch
 from . import _lib
 
 _BUFFER_ALIGN = 256
+_CPU_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.bfloat16,)
 
 
 def _align(n):
@@ -126,6 +128,21 @@ def _validate_flag(validate: bool) -> bool:
     return validate or os.environ.get("MEGAMOE_CHECK", "0") not in ("", "0")
 
 
+def _ids_as_int32(topk_idx: torch.Tensor, E: int) -> torch.Tensor:
+    """int32 ids for the library. int64 ids on the CPU are checked here, so that an id beyond int32 is reported
+    with its own value; on CUDA (no host sync) they saturate to the int32 limits, which are out of range too and
+    which the device error names as such."""
+    if topk_idx.dtype == torch.int32:
+        return topk_idx
+    if not topk_idx.is_cuda:
+        bad = ((topk_idx < -1) | (topk_idx >= E)).reshape(-1).nonzero()
+        if bad.numel():
+            t, j = divmod(int(bad[0]), topk_idx.shape[1])
+            raise _lib.MegaMoEError(f"InvalidArgument: topk_idx[{t},{j}] = {int(topk_idx[t, j])} is out of range "
+                                    f"[-1, num_experts = {E})")
+    return topk_idx.clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32)
+
+
 @torch.library.custom_op("megamoe::moe_fwd", mutates_args=())
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
             w2: torch.Tensor, precision: str, save_state: bool, validate: bool
@@ -133,6 +150,7 @@ def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
+    topk_idx = _ids_as_int32(topk_idx, E)
     keep = save_state and x.is_cuda
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     saved = torch.empty(saved_bytes(T, H, I, E, k) if keep else 0, dtype=torch.uint8, device=x.device)
@@ -166,6 +184,7 @@ def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
     dy, x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (dy, x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
+    topk_idx = _ids_as_int32(topk_idx, E)
     dx, dtw = torch.empty_like(x), torch.empty_like(topk_weights)
     dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
     keep = saved.numel() > 0
@@ -231,10 +250,33 @@ def _check_shapes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
                          f"H from x), got {list(w13.shape)}")
 
 
+def _check_dtypes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> None:
+    """The dtypes megamoe computes in (see the module docstring); anything else is refused, never coerced."""
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"megamoe: topk_idx: expected int32 or int64 expert ids, got {topk_idx.dtype} "
+                        "(float or bool ids are refused rather than truncated)")
+    x_ok = _CUDA_DTYPES if x.is_cuda else _CPU_DTYPES
+    if x.dtype not in x_ok:
+        raise TypeError(f"megamoe: x: dtype {x.dtype} is not supported on {x.device.type}: expected "
+                        f"{' or '.join(str(d).replace('torch.', '') for d in x_ok)}"
+                        + (" (float16 would be computed with bfloat16 rounding: convert it explicitly)"
+                           if x.dtype == torch.float16 else ""))
+    for name, t in (("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
+        if t.dtype not in _CPU_DTYPES:
+            raise TypeError(f"megamoe: {name}: expected a bfloat16, float32 or float64 tensor, got {t.dtype}")
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
+        if t.device != x.device:
+            raise ValueError(f"megamoe: {name} is on {t.device} but x is on {x.device}: every tensor must be on one device")
+
+
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         *, precision: str = "bf16", save: str = "keep", group=None, validate: bool = False) -> torch.Tensor:
     """Mixture-of-experts layer: y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t].
 
+    Dtypes: x bfloat16 (CUDA; CPU too, emulating the GPU's rounding) or float32 / float64 (CPU: exact fp64
+    math); topk_idx int32 or int64; topk_weights, w13, w2 any of bfloat16 / float32 / float64, converted to
+    x's compute dtype (fp32 for the routing weights), as autocast would. Anything else is a TypeError.
     save: "keep" (the backward reuses the forward's routing plan and z, held in a
     tensor autograd saves) or "recompute" (nothing beyond the inputs is saved).
     validate (or env MEGAMOE_CHECK=1): synchronise and raise device-found errors
@@ -246,16 +288,12 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
         if value not in table:
             raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
     _check_shapes(x, topk_idx, topk_weights, w13, w2)
-    if x.is_cuda and x.dtype != torch.bfloat16:
-        raise TypeError(f"megamoe: CUDA tensors must be bfloat16, got {x.dtype}")
+    _check_dtypes(x, topk_idx, topk_weights, w13, w2)
     orig = x.dtype
     # CPU float32 runs the reference's exact fp64 math; bf16 keeps the GPU's rounding.
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16
     wdtype = torch.float64 if compute == torch.float64 else torch.float32
-    # int64 ids are clamped to [-2, E] before narrowing, so a huge id stays out of range (an error), never wraps.
-    E = w13.shape[0]
-    idx32 = (topk_idx.clamp(-2, E) if topk_idx.dtype == torch.int64 else topk_idx).to(torch.int32)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    y, _ = moe_fwd(x.to(compute), idx32, topk_weights.to(wdtype), w13.to(compute), w2.to(compute), precision,
+    y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13.to(compute), w2.to(compute), precision,
                    needs_grad and save == "keep", validate)
     return y.to(orig)

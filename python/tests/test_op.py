@@ -226,10 +226,31 @@ def test_strided_inputs_and_huge_ids():
     y, _ = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), "bf16", False, False)
     torch.testing.assert_close(y, y_ref)
     assert y.is_contiguous()
-    huge = idx.long()
-    huge[0, 0] = 2 ** 32 + 1  # would wrap to 1 if narrowed blindly
-    with pytest.raises(megamoe.MegaMoEError, match=r"topk_idx\[0,0\] = 4 is out of range"):
-        megamoe.moe(x, huge, w, w13, w2)
+    for value in (2 ** 32 + 1, 2 ** 31 + 1, -(2 ** 40)):  # 2**32 + 1 would wrap to 1 if narrowed blindly
+        huge = idx.long()
+        huge[0, 1] = value
+        with pytest.raises(megamoe.MegaMoEError, match=rf"topk_idx\[0,1\] = {value} is out of range"):
+            megamoe.moe(x, huge, w, w13, w2)
+
+
+def test_silent_coercions_are_refused():
+    x, idx, w, w13, w2 = (t.detach() for t in random_inputs())
+    cases = [
+        ((x, idx.float() + 0.7, w, w13, w2), r"topk_idx: expected int32 or int64 expert ids, got torch.float32"),
+        ((x, idx.bool(), w, w13, w2), r"topk_idx: expected int32 or int64 expert ids, got torch.bool"),
+        ((x, idx.to(torch.int16), w, w13, w2), r"topk_idx: expected int32 or int64 expert ids, got torch.int16"),
+        ((x.to(torch.int8), idx, w, w13, w2), r"x: dtype torch.int8 is not supported on cpu"),
+        ((x.to(torch.complex64), idx, w, w13, w2), r"x: dtype torch.complex64 is not supported on cpu"),
+        ((x.half(), idx, w, w13, w2), r"x: dtype torch.float16 .*\(float16 would be computed with bfloat16 rounding"),
+        ((x, idx, idx, w13, w2), r"topk_weights: expected a bfloat16, float32 or float64 tensor, got torch.int(32|64)"),
+        ((x, idx, w, w13.half(), w2), r"w13: expected a bfloat16, float32 or float64 tensor, got torch.float16"),
+        ((x, idx, w, w13, w2.to(torch.complex128)), r"w2: expected a bfloat16, float32 or float64 tensor"),
+    ]
+    for args, pattern in cases:
+        with pytest.raises(TypeError, match=pattern):
+            megamoe.moe(*args)
+    with pytest.raises(TypeError, match="workspace"):  # no per-layer state to hand in (and none ignored)
+        megamoe.moe(x, idx, w, w13, w2, workspace=None)
 
 
 @cuda_only
@@ -273,6 +294,14 @@ def test_cuda_bad_ids_raise_at_the_next_call_at_check_and_with_validate(monkeypa
     with pytest.raises(megamoe.MegaMoEError, match=pattern):
         megamoe.moe(x.detach(), bad, w.detach(), w13.detach(), w2.detach())
     monkeypatch.delenv("MEGAMOE_CHECK")
+    huge = bad.long()
+    huge[5, 1] = 2 ** 31 + 1  # saturates to the int32 limit on the way in; the message says so
+    with pytest.raises(megamoe.MegaMoEError, match=r"topk_idx\[5,1\] = 2147483647 \(or beyond: int64 ids are "):
+        megamoe.moe(x.detach(), huge, w.detach(), w13.detach(), w2.detach(), validate=True)
+    with pytest.raises(ValueError, match=r"w13 is on cpu but x is on cuda:0"):
+        megamoe.moe(x.detach(), idx, w.detach(), w13.detach().cpu(), w2.detach())
+    with pytest.raises(TypeError, match=r"x: dtype torch.float32 is not supported on cuda: expected bfloat16"):
+        megamoe.moe(x.detach().float(), idx, w.detach(), w13.detach(), w2.detach())
     megamoe.check()  # nothing left pending
     y = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
     assert torch.isfinite(y).all()

@@ -1,5 +1,6 @@
 #include "cuda/common/device_errors.h"
 
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -74,9 +75,14 @@ Status describe(const DeviceErrorReport& r, int device) {
   const uint64_t route = r.key >> 2;
   const uint32_t k = r.top_k == 0 ? 1 : r.top_k;
   const std::string where = "topk_idx[" + std::to_string(route / k) + "," + std::to_string(route % k) + "]";
-  if ((r.key & 3) == kPlanErrorOutOfRange)
-    return invalid_argument(where + " = " + std::to_string(r.value) + " is out of range [-1, num_experts = " +
-                            std::to_string(r.num_experts) + ")" + on + "; its outputs were set to NaN)");
+  if ((r.key & 3) == kPlanErrorOutOfRange) {
+    // The Python binding narrows int64 ids to int32 by saturating, so a limit value may stand for a larger one.
+    const bool at_limit = r.value == INT32_MIN || r.value == INT32_MAX;
+    return invalid_argument(where + " = " + std::to_string(r.value) +
+                            (at_limit ? " (or beyond: int64 ids are saturated to int32)" : "") +
+                            " is out of range [-1, num_experts = " + std::to_string(r.num_experts) + ")" + on +
+                            "; its outputs were set to NaN)");
+  }
   return invalid_argument("token " + std::to_string(route / k) + " is routed twice to expert " +
                           std::to_string(r.value) + " (" + where + " repeats an earlier slot" + on +
                           "; its outputs were set to NaN)");
