@@ -892,7 +892,6 @@ def parse_args(argv=None):
     p.add_argument("--backends", type=csv_list,
                    help=f"comma list of {','.join(BACKENDS)} (default {','.join(DEFAULT_BACKENDS)})")
     p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)  # child mode: one backend, one shape
-    p.add_argument("--lib", help="libmegamoe_c.so to load (sets MEGAMOE_LIBRARY for the package)")
     p.add_argument("--save", choices=["keep", "recompute"], default="keep")
     p.add_argument("--wgrad-dtype", choices=["bf16"], default="bf16",
                    help="accepted for old callers: megamoe.moe returns weight grads in the weights' dtype")
@@ -945,10 +944,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.lib:
-        if not os.path.isfile(args.lib):  # the package would quietly fall back to another copy
-            sys.exit(f"compare_torch: --lib {args.lib}: no such file")
-        os.environ["MEGAMOE_LIBRARY"] = os.path.abspath(args.lib)
     if args.backend:
         res = run_child(args)
         with open(args.json, "w") as f:

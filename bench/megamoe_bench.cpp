@@ -9,20 +9,13 @@
 #include <memory>
 #include <string>
 
+#include "megamoe/presets.h"
 #include "testing/device_layer.h"
 
 namespace {
 
 using namespace megamoe;
 
-struct Shape {
-  const char* name;
-  int64_t H, I;
-  int E, k;
-};
-const Shape kShapes[] = {{"tiny", 256, 128, 8, 2},
-                         {"qwen3-30b-a3b", 2048, 768, 128, 8},
-                         {"qwen3-235b-a22b", 4096, 1536, 128, 8}};
 constexpr double kPeakTflops = 797.0;  // measured bf16 dense GEMM on an H200 (DESIGN.md section 7)
 
 int fail(const Status& st) {
@@ -40,15 +33,14 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) {
       std::fprintf(stderr,
-                   "usage: megamoe-bench [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N] "
-                   "[--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] [--json PATH]\n");
+                   "usage: megamoe-bench [--preset %s] [--tokens N] "
+                   "[--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] [--json PATH]\n",
+                   preset_names().c_str());
       return 2;
     }
     opt[a.substr(2)] = argv[i + 1];
   }
-  const Shape* shape = nullptr;
-  for (const Shape& s : kShapes)
-    if (opt["preset"] == s.name) shape = &s;
+  const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
   MoeOptions o;
   o.backend = Backend::kCUDA;
@@ -59,7 +51,8 @@ int main(int argc, char** argv) {
 
   MoeProblem p;
   p.num_tokens = std::atoll(opt["tokens"].c_str());
-  p.hidden = shape->H, p.intermediate = shape->I, p.num_experts = shape->E, p.top_k = shape->k;
+  p.hidden = shape->hidden, p.intermediate = shape->intermediate, p.num_experts = shape->num_experts,
+  p.top_k = shape->top_k;
   p.max_tokens_per_rank = p.num_tokens;
   st = validate_problem(p);
   if (!st.ok()) return fail(st);

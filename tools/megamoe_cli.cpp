@@ -1,5 +1,9 @@
 // megamoe run: one MoE layer forward + backward on seeded random inputs,
 // timed per phase and checked on a sample against the fp64 path.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -7,11 +11,14 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cuda/device_query.h"
 #include "megamoe/moe.h"
+#include "megamoe/presets.h"
 #include "megamoe/reference.h"
 #include "testing/sample_check.h"
 #ifdef MEGAMOE_WITH_CUDA
@@ -22,18 +29,12 @@ namespace {
 
 using namespace megamoe;
 
-struct Preset {
-  const char* name;
-  int64_t hidden, intermediate;
-  int experts, top_k;
-  int64_t cpu_tokens;  // default tokens per rank on the CPU backend (< 1 minute)
-};
-
-const Preset kPresets[] = {
-    {"tiny", 256, 128, 8, 2, 512},
-    {"qwen3-30b-a3b", 2048, 768, 128, 8, 64},
-    {"qwen3-235b-a22b", 4096, 1536, 128, 8, 16},
-};
+// Tokens per rank on the CPU backend when --tokens is not given: about the
+// same work (~0.8 GFLOP of k*H*I per token) for every preset, under a minute.
+int64_t default_cpu_tokens(const ModelPreset& p) {
+  const int64_t per_token = static_cast<int64_t>(p.top_k) * p.hidden * p.intermediate;
+  return std::clamp<int64_t>((int64_t{3} << 28) / per_token, 16, 512);
+}
 
 // Relative-error bounds of the sample check, per precision (docs/numerics.md).
 double error_bound(Precision p) {
@@ -46,17 +47,22 @@ double error_bound(Precision p) {
   return 0;
 }
 
+// Usage goes to stdout with exit 0 when asked for (--help), to stderr with exit 2 after a mistake.
 int usage(const char* msg) {
+  FILE* out = msg ? stderr : stdout;
   if (msg) std::fprintf(stderr, "megamoe: %s\n\n", msg);
-  std::fprintf(stderr,
-               "usage: megamoe run [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b] [--tokens N]\n"
+  std::fprintf(out,
+               "usage: megamoe run [--preset %s] [--tokens N]\n"
                "                   [--precision bf16|fp8|fp8_bwd|mxfp8] [--backend cpu|cuda|auto]\n"
                "                   [--ep-size P] [--save keep|recompute] [--scale fp32|pow2]\n"
                "                   [--seed S] [--threads N] [--sample-tokens N]\n"
-               "Runs one MoE layer forward + backward on seeded random inputs (N tokens per rank),\n"
-               "prints time per phase and TFLOPS, and checks a sample against the fp64 path.\n"
-               "Exit status: 0 ok, 1 sample error above its bound, 2 bad usage or failed call.\n");
-  return 2;
+               "       megamoe --help\n"
+               "Runs one MoE layer forward + backward on seeded random inputs (N tokens per rank;\n"
+               "default 16384 on cuda, a size that takes seconds on cpu), prints time per phase and\n"
+               "TFLOPS, and checks a sample against the fp64 path.\n"
+               "Exit status: 0 ok, 1 sample error above its bound, 2 bad usage or failed call.\n",
+               preset_names().c_str());
+  return msg ? 2 : 0;
 }
 
 int fail(const Status& st) {
@@ -116,10 +122,8 @@ int run(int argc, char** argv) {
     if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
     opt[a.substr(2)] = argv[++i];
   }
-  const Preset* preset = nullptr;
-  for (const Preset& p : kPresets)
-    if (opt["preset"] == p.name) preset = &p;
-  if (!preset) return usage(("unknown preset '" + opt["preset"] + "'").c_str());
+  const ModelPreset* preset = find_preset(opt["preset"]);
+  if (!preset) return usage(("unknown preset '" + opt["preset"] + "' (expected " + preset_names(", ") + ")").c_str());
 
   MoeOptions options;
   Status st = parse_precision(opt["precision"], &options.precision);
@@ -129,8 +133,9 @@ int run(int argc, char** argv) {
   if (!st.ok()) return fail(st);
   auto to_int = [&](const char* key, int64_t lo, int64_t* out) -> bool {
     char* end = nullptr;
+    errno = 0;
     const long long v = std::strtoll(opt[key].c_str(), &end, 10);
-    if (opt[key].empty() || *end != '\0' || v < lo) {
+    if (opt[key].empty() || *end != '\0' || errno == ERANGE || v < lo) {
       std::fprintf(stderr, "megamoe: --%s must be an integer >= %lld, got '%s'\n", key, static_cast<long long>(lo),
                    opt[key].c_str());
       return false;
@@ -148,9 +153,13 @@ int run(int argc, char** argv) {
   std::string reason;
   st = resolve_backend(options, &backend, &reason);
   if (!st.ok()) return fail(st);
+  if (backend == Backend::kCUDA) {
+    std::string why;
+    if (cuda::device_count(&why) == 0) return fail(unavailable("backend cuda: " + why));
+  }
   if (opt["tokens"].empty()) {
-    tokens = backend == Backend::kCPU ? preset->cpu_tokens : 16384;
-  } else if (!to_int("tokens", 0, &tokens)) {
+    tokens = backend == Backend::kCPU ? default_cpu_tokens(*preset) : 16384;
+  } else if (!to_int("tokens", 1, &tokens)) {
     return 2;
   }
 
@@ -158,7 +167,7 @@ int run(int argc, char** argv) {
   problem.num_tokens = tokens;
   problem.hidden = preset->hidden;
   problem.intermediate = preset->intermediate;
-  problem.num_experts = preset->experts;
+  problem.num_experts = preset->num_experts;
   problem.top_k = preset->top_k;
   problem.ep_size = static_cast<int>(ep);
   problem.max_tokens_per_rank = tokens;
@@ -173,6 +182,18 @@ int run(int argc, char** argv) {
   if (backend == Backend::kCUDA && problem.ep_size > 1)
     return fail(unimplemented("--ep-size > 1 with backend cuda: multi-GPU expert parallelism is not implemented yet"));
   if (backend == Backend::kCUDA) std::printf("device: %s\n", cuda::device_description(0).c_str());
+
+  // Host copies of every rank's inputs and outputs (bf16 activations, fp32 weight gradients) must fit
+  // in this machine's memory: checked up front, so a size that cannot run is an error, not an OOM kill.
+  const double L = static_cast<double>(problem.experts_per_rank()), H = static_cast<double>(problem.hidden);
+  const double I = static_cast<double>(problem.intermediate);
+  const double host_bytes = static_cast<double>(ep) * (static_cast<double>(tokens) * (8.0 * H + 12.0 * problem.top_k) +
+                                                       L * 3.0 * I * H * 6.0);
+  const double phys_bytes = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (phys_bytes > 0 && host_bytes > phys_bytes)
+    return fail(unavailable("out of host memory: the layer's inputs and outputs need at least " +
+                            std::to_string(static_cast<long long>(host_bytes / (1 << 30))) + " GiB, this machine has " +
+                            std::to_string(static_cast<long long>(phys_bytes / (1 << 30))) + " GiB; use fewer --tokens"));
 
   std::vector<testing::LayerData> data;
   std::vector<testing::LayerOutputs> outs;
@@ -246,6 +267,15 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "run") != 0) return usage(argc < 2 ? nullptr : "unknown command");
-  return run(argc, argv);
+  if (argc >= 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) return usage(nullptr);
+  if (argc < 2) return usage("a command is needed");
+  if (std::strcmp(argv[1], "run") != 0) return usage(("unknown command '" + std::string(argv[1]) + "'").c_str());
+  // The host copies of inputs and outputs are plain vectors: a size the machine cannot hold is an error, not an abort.
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    return fail(unavailable("out of host memory for the layer's inputs and outputs at this --tokens / --ep-size"));
+  } catch (const std::length_error&) {
+    return fail(unavailable("out of host memory for the layer's inputs and outputs at this --tokens / --ep-size"));
+  }
 }

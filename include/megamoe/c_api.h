@@ -68,6 +68,16 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
                      const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
                      const megamoe_buffer* scratch, void* stream);
 
+/* Model preset `index` (include/megamoe/presets.h): 0 and *out filled for
+   index in [0, count), else an error; *count (when not null) gets the count. */
+typedef struct megamoe_preset_info {
+  const char* name; /* static storage */
+  int64_t hidden, intermediate;
+  int32_t num_experts, top_k;
+  int32_t attention_heads, kv_heads, head_dim;
+} megamoe_preset_info;
+int megamoe_preset(int32_t index, megamoe_preset_info* out, int32_t* count);
+
 /* Synchronises `stream` and reports (then clears) an error the kernels found on `device`. */
 int megamoe_check(int32_t device, void* stream);
 

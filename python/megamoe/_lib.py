@@ -43,11 +43,19 @@ class Buffer(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_uint64)]
 
 
+class PresetInfo(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p), ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32), ("attention_heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+    ]
+
+
 def _candidates() -> list[Path]:
     here = Path(__file__).resolve().parent
     out = []
-    if os.environ.get("MEGAMOE_LIBRARY"):
-        out.append(Path(os.environ["MEGAMOE_LIBRARY"]))
+    if os.environ.get("MEGAMOE_LIBRARY"):  # named explicitly: that file or an error, never another copy
+        return [Path(os.environ["MEGAMOE_LIBRARY"])]
     out.append(here / "libmegamoe_c.so")                      # installed wheel
     out.append(here.parent.parent / "build" / "libmegamoe_c.so")  # source checkout
     return out
@@ -70,6 +78,7 @@ def _load() -> ctypes.CDLL:
     lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, P]
     lib.megamoe_check.argtypes = [ctypes.c_int32, P]
     lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
+    lib.megamoe_preset.argtypes = [ctypes.c_int32, ctypes.POINTER(PresetInfo), ctypes.POINTER(ctypes.c_int32)]
     lib.megamoe_last_error.restype = ctypes.c_char_p
     return lib
 

@@ -3,31 +3,19 @@
 Builds a Qwen3-MoE causal LM (transformers, random weights, never
 downloaded) at a preset's layer shapes, picks the MoE experts implementation
 from [trainer.model.moe.dispatch], trains on a byte-level synthetic corpus
-(or a text file) and logs loss, step time and tokens/s.
-
-    [model]
-    preset = "tiny"            # tiny | qwen3-30b-a3b | qwen3-235b-a22b
-    num_layers = 2
-    [trainer]
-    steps = 30
-    batch_size = 4
-    seq_len = 128
-    lr = 1e-3
-    device = "auto"            # auto | cpu | cuda
-    dtype = "float32"          # float32 | bfloat16 (CUDA needs bfloat16 for mega_moe)
-    activation_checkpointing = false
-    seed = 0
-    [trainer.model.moe.dispatch]
-    type = "mega_moe"          # mega_moe | grouped_mm | eager
-    precision = "bf16"         # bf16 | fp8 | fp8_bwd | mxfp8
-    [data]
-    path = "synthetic"         # synthetic, or a UTF-8 text file
+(or a text file) and logs loss, step time and tokens/s. The TOML keys, their
+types and defaults are the table KEYS below (`--help` prints it); an unknown
+key or section, a value of the wrong type or out of range is a one-line error
+naming the key (exit status 2).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
+import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,15 +27,8 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore
 
-PRESETS = {
-    # hidden, moe_intermediate, experts, top_k, heads, kv_heads, head_dim
-    "tiny": dict(hidden_size=128, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128),
-    "qwen3-235b-a22b": dict(hidden_size=4096, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
-                            num_attention_heads=64, num_key_value_heads=4, head_dim=128),
-}
+from .presets import PRESETS
+
 DISPATCH_TYPES = ("mega_moe", "grouped_mm", "eager")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 
@@ -75,22 +56,123 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def load_config(path: str) -> TrainConfig:
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    model, trainer, data = raw.get("model", {}), raw.get("trainer", {}), raw.get("data", {})
-    dispatch = trainer.get("model", {}).get("moe", {}).get("dispatch", {})
-    cfg = TrainConfig(
-        preset=model.get("preset", "tiny"), num_layers=int(model.get("num_layers", 2)),
-        steps=int(trainer.get("steps", 30)), batch_size=int(trainer.get("batch_size", 4)),
-        seq_len=int(trainer.get("seq_len", 128)), lr=float(trainer.get("lr", 1e-3)),
-        device=trainer.get("device", "auto"), dtype=trainer.get("dtype", "float32"),
-        activation_checkpointing=bool(trainer.get("activation_checkpointing", False)),
-        seed=int(trainer.get("seed", 0)), dispatch=dispatch.get("type", "mega_moe"),
-        precision=dispatch.get("precision", "bf16"), data=data.get("path", "synthetic"),
-        log_every=int(trainer.get("log_every", 1)))
+@dataclass(frozen=True)
+class Key:
+    """One TOML key: where it lives, the TrainConfig field it sets, its type and limits."""
+    section: str
+    name: str
+    attr: str
+    kind: type
+    help: str
+    choices: tuple = ()
+    minimum: float | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    def expected(self) -> str:
+        if self.choices:
+            return "one of " + " | ".join(repr(c) for c in self.choices)
+        what = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[self.kind]
+        return what + (f" >= {self.minimum:g}" if self.minimum is not None and self.kind is int else
+                       f" > {self.minimum:g}" if self.minimum is not None else "")
+
+
+KEYS = (
+    Key("model", "preset", "preset", str, "layer shapes", choices=tuple(PRESETS)),
+    Key("model", "num_layers", "num_layers", int, "decoder layers", minimum=1),
+    Key("trainer", "steps", "steps", int, "optimizer steps (--steps overrides)", minimum=1),
+    Key("trainer", "batch_size", "batch_size", int, "sequences per step", minimum=1),
+    Key("trainer", "seq_len", "seq_len", int, "bytes per sequence", minimum=1),
+    Key("trainer", "lr", "lr", float, "AdamW learning rate", minimum=0.0),
+    Key("trainer", "device", "device", str, "where to train", choices=("auto", "cpu", "cuda")),
+    Key("trainer", "dtype", "dtype", str, "model dtype (CUDA mega_moe needs bfloat16)",
+        choices=("float32", "bfloat16")),
+    Key("trainer", "activation_checkpointing", "activation_checkpointing", bool, "recompute layers in the backward"),
+    Key("trainer", "seed", "seed", int, "weights and batches", minimum=0),
+    Key("trainer", "log_every", "log_every", int, "print every N steps (and the last)", minimum=1),
+    Key("trainer.model.moe.dispatch", "type", "dispatch", str, "MoE experts implementation", choices=DISPATCH_TYPES),
+    Key("trainer.model.moe.dispatch", "precision", "precision", str, "mega_moe numerics", choices=PRECISIONS),
+    Key("data", "path", "data", str, '"synthetic", or a UTF-8 text file (at least seq_len + 2 bytes)'),
+)
+SECTIONS = ("model", "trainer", "trainer.model", "trainer.model.moe", "trainer.model.moe.dispatch", "data")
+
+
+def keys_help() -> str:
+    """The KEYS table as text (for --help)."""
+    defaults = TrainConfig()
+    lines = ["TOML keys (default; expected):"]
+    for section in dict.fromkeys(k.section for k in KEYS):
+        lines.append(f"  [{section}]")
+        for k in (k for k in KEYS if k.section == section):
+            default = getattr(defaults, k.attr)
+            shown = json.dumps(default) if not isinstance(default, float) else f"{default:g}"
+            entry = f"{k.name} = {shown}"
+            lines.append(f"    {entry:<34} # {k.help}; {k.expected()}")
+    return "\n".join(lines)
+
+
+def _check_value(key: Key, value):
+    """The value if it has the key's type and limits, else ConfigError naming the key."""
+    bad = ConfigError(f"{key.path} = {value!r}: expected {key.expected()}")
+    if key.kind is bool:
+        if not isinstance(value, bool):
+            raise bad
+    elif key.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+    elif key.kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad
+        value = float(value)
+    elif not isinstance(value, str):
+        raise bad
+    if key.choices and value not in key.choices:
+        raise bad
+    if key.minimum is not None and (value < key.minimum if key.kind is int else value <= key.minimum):
+        raise bad
+    return value
+
+
+def _walk(table: dict, prefix: str, out: dict) -> None:
+    """Flattens the TOML document to {"section.key": value}, refusing unknown sections and keys."""
+    known = {k.path for k in KEYS}
+    for name, value in table.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if path in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a table ([{path}]), got {value!r}")
+            _walk(value, path, out)
+        elif path in known:
+            out[path] = value
+        else:
+            close = difflib.get_close_matches(path, sorted(known | set(SECTIONS)), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{path}: unknown {'section' if isinstance(value, dict) else 'key'}{hint}; "
+                              "`python -m megamoe.train --help` lists the keys")
+
+
+def config_from_dict(raw: dict) -> TrainConfig:
+    values: dict = {}
+    _walk(raw, "", values)
+    cfg = TrainConfig()
+    for key in KEYS:
+        if key.path in values:
+            setattr(cfg, key.attr, _check_value(key, values[key.path]))
     validate(cfg)
     return cfg
+
+
+def load_config(path: str) -> TrainConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    return config_from_dict(raw)
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -98,21 +180,13 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device = 'cuda' but no CUDA device is available")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ConfigError(f"trainer.device = {cfg.device!r}: expected auto | cpu | cuda")
     return torch.device(cfg.device)
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Rejects unsupported combinations at start-up, naming the option."""
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"model.preset = {cfg.preset!r}: expected one of {sorted(PRESETS)}")
-    if cfg.dispatch not in DISPATCH_TYPES:
-        raise ConfigError(f"trainer.model.moe.dispatch.type = {cfg.dispatch!r}: expected one of {DISPATCH_TYPES}")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"trainer.model.moe.dispatch.precision = {cfg.precision!r}: expected one of {PRECISIONS}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"trainer.dtype = {cfg.dtype!r}: expected float32 | bfloat16")
+    """Rejects bad values and unsupported combinations at start-up, naming the option."""
+    for key in KEYS:  # values set from Python (benchmarks, --steps) meet the same limits as the TOML's
+        _check_value(key, getattr(cfg, key.attr))
     device = resolve_device(cfg)
     if cfg.dispatch != "mega_moe" and cfg.precision != "bf16":
         raise ConfigError(f"trainer.model.moe.dispatch.precision = {cfg.precision!r} needs type = 'mega_moe' "
@@ -126,9 +200,14 @@ def validate(cfg: TrainConfig) -> None:
                               "not built yet (bf16 only on CUDA; the CPU reference emulates FP8)")
         if cfg.dtype != "bfloat16":
             raise ConfigError("trainer.dtype must be 'bfloat16' for dispatch type 'mega_moe' on CUDA")
-    for name in ("steps", "batch_size", "seq_len", "num_layers"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} = {getattr(cfg, name)} must be >= 1")
+    if cfg.data != "synthetic":
+        try:
+            size = os.path.getsize(cfg.data)
+        except OSError as e:
+            raise ConfigError(f"data.path = {cfg.data!r}: {e.strerror or e}") from None
+        if size < cfg.seq_len + 2:
+            raise ConfigError(f"data.path = {cfg.data!r} holds {size} bytes: expected at least seq_len + 2 = "
+                              f"{cfg.seq_len + 2}")
 
 
 def synthetic_corpus(n_bytes: int, seed: int) -> bytes:
@@ -151,10 +230,8 @@ def load_data(cfg: TrainConfig) -> torch.Tensor:
     if cfg.data == "synthetic":
         raw = synthetic_corpus(max(1 << 16, cfg.batch_size * (cfg.seq_len + 1) * 4), cfg.seed)
     else:
-        with open(cfg.data, "rb") as f:
+        with open(cfg.data, "rb") as f:  # validate() checked that it exists and is long enough
             raw = f.read()
-        if len(raw) < cfg.seq_len + 2:
-            raise ConfigError(f"data.path = {cfg.data!r} holds {len(raw)} bytes, fewer than seq_len + 2")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
 
@@ -204,7 +281,8 @@ def progress(step: int, total: int, loss: float, ms: float, tok_s: float) -> str
     return f"[{'#' * done}{'.' * (width - done)}] {step:4d}/{total} loss {loss:7.4f} step {ms:8.1f} ms {tok_s:10.0f} tok/s"
 
 
-def train(cfg: TrainConfig, out=sys.stdout) -> list[dict]:
+def train(cfg: TrainConfig, out=None) -> list[dict]:
+    out = out or sys.stdout
     device = resolve_device(cfg)
     model = build_model(cfg, device)
     data = load_data(cfg)
@@ -230,21 +308,41 @@ def train(cfg: TrainConfig, out=sys.stdout) -> list[dict]:
     return history
 
 
+def summary(cfg: TrainConfig, history: list[dict], device: torch.device) -> str:
+    """One line at the end of a run: what ran, where the loss went, the median step."""
+    ms = statistics.median(h["step_ms"] for h in history)
+    line = (f"megamoe.train: done: {len(history)} steps of {cfg.preset} x {cfg.num_layers} layers, dispatch "
+            f"{cfg.dispatch} ({cfg.precision}) on {device}; loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
+            f"median step {ms:.1f} ms, {cfg.batch_size * cfg.seq_len / (ms / 1e3):.0f} tok/s")
+    if device.type == "cuda":
+        line += f"; peak memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="TOML file (see the module docstring)")
-    ap.add_argument("--steps", type=int, help="override trainer.steps")
+    ap = argparse.ArgumentParser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0],
+                                 epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="TOML file (keys below)")
+    ap.add_argument("--steps", type=int, help="override trainer.steps (>= 1)")
     ap.add_argument("--json", help="write the per-step history here")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        if args.steps:
+        if args.steps is not None:
+            if args.steps < 1:
+                raise ConfigError(f"--steps {args.steps}: expected an integer >= 1")
             cfg.steps = args.steps
-            validate(cfg)
-    except (ConfigError, OSError, tomllib.TOMLDecodeError) as e:
+        device = resolve_device(cfg)
+        import transformers  # noqa: F401  (the model comes from it: say so before anything is built)
+    except ConfigError as e:
         print(f"megamoe.train: {e}", file=sys.stderr)
         return 2
+    except ImportError:
+        print("megamoe.train: the trainer builds its model with transformers >= 5, which is not installed "
+              "(pip install 'megamoe[train]')", file=sys.stderr)
+        return 2
     history = train(cfg)
+    print(summary(cfg, history, device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(history, f, indent=1)

@@ -77,6 +77,14 @@ def test_tiny_trainer_loss_decreases(tmp_path):
     assert last < 0.8 * first, (first, last)
 
 
+def test_a_run_ends_with_a_summary_line(tmp_path, capsys):
+    assert train.main(["--config", write(tmp_path, TINY.format(dispatch="mega_moe", precision="bf16")),
+                       "--steps", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("megamoe.train: done: 2 steps of tiny x 1 layers, dispatch mega_moe (bf16) on cpu; loss ")
+    assert "median step" in last and "tok/s" in last
+
+
 def test_mega_moe_and_eager_trainers_agree_on_the_first_steps(tmp_path):
     runs = {}
     for dispatch in ("mega_moe", "eager"):

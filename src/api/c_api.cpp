@@ -7,6 +7,7 @@
 
 #include "api/backends.h"
 #include "megamoe/moe.h"
+#include "megamoe/presets.h"
 
 namespace {
 
@@ -156,6 +157,17 @@ int megamoe_cuda_available(const char** why) {
   const bool ok = megamoe::detail::cuda_layer_available(&reason);
   if (why != nullptr) *why = ok ? "" : reason.c_str();
   return ok ? 1 : 0;
+}
+
+int megamoe_preset(int32_t index, megamoe_preset_info* out, int32_t* count) {
+  if (count != nullptr) *count = megamoe::preset_count();
+  const megamoe::ModelPreset* p = megamoe::preset(index);
+  if (p == nullptr)
+    return fail(megamoe::invalid_argument("preset index " + std::to_string(index) + " is out of range [0, " +
+                                          std::to_string(megamoe::preset_count()) + ")"));
+  if (out == nullptr) return fail(megamoe::invalid_argument("preset: out is null"));
+  *out = {p->name, p->hidden, p->intermediate, p->num_experts, p->top_k, p->attention_heads, p->kv_heads, p->head_dim};
+  return 0;
 }
 
 const char* megamoe_last_error(void) { return g_last_error.c_str(); }

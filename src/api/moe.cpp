@@ -4,7 +4,7 @@
 #include <string>
 
 #include "api/backends.h"
-#include "api/saved_state.h"
+#include "core/saved_state.h"
 #include "core/layer_buffers.h"
 #include "megamoe/reference.h"
 

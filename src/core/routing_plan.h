@@ -72,11 +72,6 @@ MEGAMOE_HD int64_t pool_capacity_rows(const RoutingShape& s) {
                          static_cast<int64_t>(L) * (kPoolRowAlign - 1));
 }
 
-// Combine (and dx) slot of route (t, j) on its source rank: slots are [k, T_max, H].
-MEGAMOE_HD int64_t combine_slot_row(int slot, int64_t token, int64_t max_tokens) {
-  return static_cast<int64_t>(slot) * max_tokens + token;
-}
-
 // Where a pool row came from; rank == -1 marks a padding row.
 struct RowSource {
   int32_t rank = -1;

@@ -15,7 +15,7 @@
 
 #include <vector>
 
-#include "api/saved_state.h"
+#include "core/saved_state.h"
 #include "core/routing_plan.h"
 #include "megamoe/moe.h"
 

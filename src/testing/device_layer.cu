@@ -1,16 +1,12 @@
 #include "testing/device_layer.h"
+#include "cuda/common/cuda_status.h"
 
 #include <algorithm>
 #include <string>
 
 namespace megamoe::testing {
 
-namespace {
-Status cuda_status(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return Status::Ok();
-  return internal_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-}  // namespace
+using cuda::cuda_status;
 
 DeviceTensor::DeviceTensor(DType dtype, std::initializer_list<int64_t> shape, int device) {
   view_ = make_view(nullptr, dtype, shape, DeviceType::kCUDA, device);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "cuda/device_query.h"
 
@@ -62,7 +63,7 @@ TEST(Cli, BadOptionsExitWithUsage) {
   EXPECT_TRUE(has(r, "unknown preset 'huge'")) << r.output;
   r = run_cli("run --tokens -5");
   EXPECT_EQ(r.status, 2);
-  EXPECT_TRUE(has(r, "--tokens must be an integer >= 0")) << r.output;
+  EXPECT_TRUE(has(r, "--tokens must be an integer >= 1")) << r.output;
   r = run_cli("run --precision fp16");
   EXPECT_EQ(r.status, 2);
   EXPECT_TRUE(has(r, "precision: unknown value 'fp16'")) << r.output;
@@ -73,12 +74,66 @@ TEST(Cli, BadOptionsExitWithUsage) {
   EXPECT_EQ(r.status, 2);
 }
 
+// Stdout alone: usage asked for is output, not an error.
+Result run_cli_stdout(const std::string& args) {
+  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>/dev/null";
+  FILE* f = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  if (!f) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), f)) > 0) r.output.append(buf.data(), n);
+  const int raw = pclose(f);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  return r;
+}
+
+TEST(Cli, HelpGoesToStdoutWithStatusZero) {
+  for (const char* args : {"--help", "-h", "run --help", "run --preset tiny -h"}) {
+    const Result r = run_cli_stdout(args);
+    EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
+    EXPECT_TRUE(has(r, "usage: megamoe run [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b]")) << args << "\n" << r.output;
+  }
+  for (const char* args : {"", "frobnicate", "run --frobnicate 1"}) {
+    const Result r = run_cli_stdout(args);
+    EXPECT_EQ(r.status, 2) << args;
+    EXPECT_EQ(r.output, "") << args;  // usage after a mistake goes to stderr
+  }
+}
+
+// Token counts that overflow, cannot be allocated or are empty: one-line errors, exit 2, never a crash.
+TEST(Cli, TokenCountsOutOfReachAreErrors) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"4611686018427387904", "exceeds 2^30 routed rows per rank"},
+      {"9223372036854775807", "exceeds 2^30 routed rows per rank"},
+      {"9223372036854775808", "--tokens must be an integer >= 1"},  // beyond int64
+      {"0", "--tokens must be an integer >= 1"},
+      {"12x", "--tokens must be an integer >= 1"},
+  };
+  for (const auto& [tokens, message] : cases) {
+    const Result r = run_cli(std::string("run --preset tiny --backend cpu --tokens ") + tokens);
+    EXPECT_EQ(r.status, 2) << tokens << "\n" << r.output;
+    EXPECT_TRUE(has(r, message)) << tokens << "\n" << r.output;
+    EXPECT_FALSE(has(r, "rel_err")) << tokens << "\n" << r.output;
+  }
+  // Valid, but more host memory than any machine here has (2^27 tokens of H 4096: 4 TiB of host buffers).
+  const Result r = run_cli("run --preset qwen3-235b-a22b --backend cpu --tokens 134217728");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_TRUE(has(r, "out of host memory")) << r.output;
+}
+
 TEST(Cli, CudaBackendRunsOrSaysWhyNot) {
   const Result r = run_cli("run --preset tiny --tokens 100 --backend cuda");
   std::string why;
   if (megamoe::cuda::device_count(&why) == 0) {
     EXPECT_EQ(r.status, 2) << r.output;
     EXPECT_TRUE(has(r, "backend cuda:")) << r.output;
+    EXPECT_FALSE(has(r, "unknown device")) << r.output;  // nothing about a device that is not there
+    EXPECT_FALSE(has(r, "megamoe run: preset")) << r.output;  // the error comes first, alone
+    if (access("/proc/driver/nvidia/version", F_OK) != 0) {
+      EXPECT_TRUE(has(r, "no CUDA GPU found")) << r.output;
+      EXPECT_FALSE(has(r, "driver version is insufficient")) << r.output;
+    }
   } else {
     EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_TRUE(has(r, "device buffers:")) << r.output;

@@ -267,18 +267,13 @@ TEST(RoutingPlanExample, HostDeviceFormulasAgreeWithHandValues) {
   }
 }
 
-TEST(RoutingPlanExample, AlignmentSlotAndOwnershipHelpers) {
+TEST(RoutingPlanExample, AlignmentAndOwnershipHelpers) {
   EXPECT_EQ(align_pool_rows(0), 0);
   EXPECT_EQ(align_pool_rows(1), 128);
   EXPECT_EQ(align_pool_rows(127), 128);
   EXPECT_EQ(align_pool_rows(128), 128);
   EXPECT_EQ(align_pool_rows(129), 256);
   EXPECT_EQ(align_pool_rows(1000), 1024);
-  // Slots are [k, T_max]: slot j of token t is row j * T_max + t.
-  EXPECT_EQ(combine_slot_row(0, 7, 10), 7);
-  EXPECT_EQ(combine_slot_row(1, 2, 3), 5);
-  EXPECT_EQ(combine_slot_row(3, 0, 1000), 3000);
-  EXPECT_EQ(combine_slot_row(5, 1, int64_t{1} << 32), (int64_t{5} << 32) + 1);  // no int overflow
   for (int e = 0; e < 32; ++e) {
     EXPECT_EQ(owner_rank(e, 8), e / 8);
     EXPECT_EQ(local_expert(e, 8), e % 8);

@@ -1,4 +1,5 @@
 #include "cuda/common/device_errors.h"
+#include "cuda/common/cuda_status.h"
 
 #include <cstdint>
 #include <cstring>
@@ -31,9 +32,7 @@ std::mutex g_mutex;
 constexpr int kMaxDevices = 64;
 PerDevice g_devices[kMaxDevices];  // entries live until the process ends (their pinned pages too)
 
-Status cuda_status(const char* what, cudaError_t err) {
-  return internal_error(std::string("device errors: ") + what + ": " + cudaGetErrorString(err));
-}
+Status cuda_status(const char* what, cudaError_t err) { return cuda::cuda_status(std::string("device errors: ") + what, err); }
 
 Status get(int device, PerDevice** out) {
   std::lock_guard<std::mutex> lock(g_mutex);

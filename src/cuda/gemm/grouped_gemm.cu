@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/common/cuda_status.h"
 #include "cuda/gemm/tensor_map.h"
 #include "cuda/ptx/sm90.cuh"
 
@@ -576,8 +577,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, map_z, params);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess) return internal_error(std::string("grouped GEMM launch: ") + cudaGetErrorString(err));
-  return Status::Ok();
+  return cuda_status("grouped GEMM launch", err);
 }
 
 }  // namespace

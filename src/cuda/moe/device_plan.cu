@@ -1,4 +1,5 @@
 #include "cuda/moe/device_plan.h"
+#include "cuda/common/cuda_status.h"
 
 #include <string>
 
@@ -94,11 +95,6 @@ __global__ void plan_assign_kernel(const int32_t* topk_idx, int64_t num_tokens, 
   }
 }
 
-Status check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(err));
-  return Status::Ok();
-}
 
 }  // namespace
 
@@ -106,8 +102,8 @@ Status build_device_plan(const int32_t* topk_idx, int64_t num_tokens, int top_k,
                          const DevicePlanBuffers& b, cudaStream_t stream) {
   if (top_k > kMaxTopK) return invalid_argument("top_k = " + std::to_string(top_k) + " exceeds the CUDA limit of 32");
   const int chunks = static_cast<int>((num_tokens + kPlanChunk - 1) / kPlanChunk);
-  if (cudaMemsetAsync(b.error_key, 0xFF, sizeof(unsigned long long), stream) != cudaSuccess)
-    return check_launch("plan: reset error key");
+  MEGAMOE_RETURN_IF_ERROR(
+      cuda_status("plan: reset error key", cudaMemsetAsync(b.error_key, 0xFF, sizeof(unsigned long long), stream)));
   if (chunks > 0) {
     plan_count_kernel<<<chunks, 256, 0, stream>>>(topk_idx, num_tokens, top_k, num_experts, b.chunk_counts,
                                                   b.error_key);

@@ -1,4 +1,5 @@
 #include "cuda/moe/layer_kernels.h"
+#include "cuda/common/cuda_status.h"
 
 #include <cuda_bf16.h>
 
@@ -75,11 +76,6 @@ __global__ void reduce_route_partials_kernel(const float* partial, int n_parts, 
   }
 }
 
-Status check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(err));
-  return Status::Ok();
-}
 
 }  // namespace
 
