@@ -14,6 +14,7 @@ struct FdCase {
   int E, k;
   Routing routing;
 };
+void PrintTo(const FdCase& c, std::ostream* os) { *os << c.name; }  // test names without hex dumps
 
 class FiniteDifference : public ::testing::TestWithParam<FdCase> {
  protected:

@@ -3,6 +3,11 @@
 // algebraic identities of forward and backward.
 #include "test_util.h"
 
+namespace megamoe {
+// Test names without hex dumps (SavePolicies is parameterised by the bare enum; ADL finds this here).
+void PrintTo(Precision p, std::ostream* os) { *os << to_string(p); }
+}  // namespace megamoe
+
 namespace megamoe::testing {
 namespace {
 
@@ -32,6 +37,7 @@ struct PrecisionCase {
   ScaleMode scale;
   double fwd_bound, bwd_bound;
 };
+void PrintTo(const PrecisionCase& c, std::ostream* os) { *os << c.name; }  // test names without hex dumps
 
 class LowPrecisionVsFp64 : public ::testing::TestWithParam<PrecisionCase> {};
 
@@ -102,6 +108,7 @@ struct EpCase {
   int P;
   Precision precision;
 };
+void PrintTo(const EpCase& c, std::ostream* os) { *os << "P" << c.P << "_" << to_string(c.precision); }
 class EpSimulation : public ::testing::TestWithParam<EpCase> {};
 
 TEST_P(EpSimulation, EqualsSingleRankBitwise) {

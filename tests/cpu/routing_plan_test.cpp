@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -289,6 +291,7 @@ TEST(RoutingPlanExample, AlignmentAndOwnershipHelpers) {
 struct PlanParam {
   int P, E, k;
 };
+void PrintTo(const PlanParam& q, std::ostream* os) { *os << "P" << q.P << "_E" << q.E << "_k" << q.k; }
 
 class RandomRoutingTest : public ::testing::TestWithParam<PlanParam> {};
 

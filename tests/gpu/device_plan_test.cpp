@@ -46,6 +46,12 @@ const char* kind_name(Kind k) {
   return "unknown";
 }
 
+std::string case_name(const Case& c) {
+  return "T" + std::to_string(c.tokens) + "_k" + std::to_string(c.top_k) + "_E" + std::to_string(c.experts) + "_" +
+         kind_name(c.kind);
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }  // test names without hex dumps
+
 // A valid routing (no token twice on one expert) of the given kind.
 std::vector<int32_t> make_routing(const Case& c) {
   std::mt19937_64 rng(c.seed);
@@ -198,11 +204,7 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Routings, DevicePlanVsHost, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           const Case& c = i.param;
-                           return "T" + std::to_string(c.tokens) + "_k" + std::to_string(c.top_k) + "_E" +
-                                  std::to_string(c.experts) + "_" + kind_name(c.kind);
-                         });
+                         [](const ::testing::TestParamInfo<Case>& i) { return case_name(i.param); });
 
 // Invalid routes: error_key is the minimum over bad routes of
 // ((t * k + j) << 2 | kind), whichever 256-token chunk they fall in.
