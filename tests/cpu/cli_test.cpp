@@ -16,8 +16,9 @@ struct Result {
   std::string output;
 };
 
-Result run_cli(const std::string& args) {
-  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>&1";
+// Runs the program; its output is stdout and stderr together, or stdout alone with stderr dropped.
+Result run_cli(const std::string& args, bool stdout_only = false) {
+  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + (stdout_only ? " 2>/dev/null" : " 2>&1");
   FILE* f = popen(cmd.c_str(), "r");
   Result r{-1, ""};
   if (!f) return r;
@@ -74,28 +75,14 @@ TEST(Cli, BadOptionsExitWithUsage) {
   EXPECT_EQ(r.status, 2);
 }
 
-// Stdout alone: usage asked for is output, not an error.
-Result run_cli_stdout(const std::string& args) {
-  const std::string cmd = std::string(MEGAMOE_CLI_PATH) + " " + args + " 2>/dev/null";
-  FILE* f = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  if (!f) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), f)) > 0) r.output.append(buf.data(), n);
-  const int raw = pclose(f);
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  return r;
-}
-
 TEST(Cli, HelpGoesToStdoutWithStatusZero) {
   for (const char* args : {"--help", "-h", "run --help", "run --preset tiny -h"}) {
-    const Result r = run_cli_stdout(args);
+    const Result r = run_cli(args, /*stdout_only=*/true);
     EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
     EXPECT_TRUE(has(r, "usage: megamoe run [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b]")) << args << "\n" << r.output;
   }
   for (const char* args : {"", "frobnicate", "run --frobnicate 1"}) {
-    const Result r = run_cli_stdout(args);
+    const Result r = run_cli(args, /*stdout_only=*/true);
     EXPECT_EQ(r.status, 2) << args;
     EXPECT_EQ(r.output, "") << args;  // usage after a mistake goes to stderr
   }
