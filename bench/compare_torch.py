@@ -33,11 +33,8 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -52,6 +49,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 from megamoe.train import PRESETS as MODEL_PRESETS  # noqa: E402  (one definition of the shapes)
+from child_runs import ChildRuns  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe", "hf_eager")
 DEFAULT_BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe")
@@ -692,61 +690,16 @@ def child_argv(args, backend: str, shape: Shape, out_json: str) -> list[str]:
 
 
 def run_children(args, shapes: list[Shape], backends: list[str], on_result: Callable[[dict], None]) -> None:
-    start = time.monotonic()
     order = [(b, s) for s in shapes for b in backends if b not in SLOW_FIRST_CALL]
     order += [(b, s) for s in shapes for b in backends if b in SLOW_FIRST_CALL]
-    logf = open(args.log, "a") if args.log else None
-    tmp = tempfile.mkdtemp(prefix="compare_torch.")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        for i, (backend, shape) in enumerate(order):
+    with ChildRuns("compare_torch.", args.child_timeout, args.deadline, args.log) as runs:
+        for backend, shape in order:
             base = {"backend": backend, "shape": vars(shape), "status": "error", "error": None}
             if backend == "sonicmoe" and sonicmoe_missing():
                 on_result({**base, "status": "unavailable", "error": sonicmoe_missing()})
                 continue
-            limit = args.child_timeout
-            if args.deadline:
-                left = args.deadline - (time.monotonic() - start)
-                if left < 20:
-                    on_result({**base, "status": "skipped", "error": f"--deadline {args.deadline:g} s reached"})
-                    continue
-                limit = min(limit, left)
-            out_json = os.path.join(tmp, f"{i}.json")
-            argv = child_argv(args, backend, shape, out_json)
-            log(f"[{shape.label()}] {backend}: child process (limit {limit:.4g} s)")
-            t0 = time.monotonic()
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, text=True, errors="replace")
-            chunks: list[str] = []
-            reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
-            reader.start()
-            timed_out = False
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
-                proc.wait()
-            reader.join(timeout=10)
-            output = "".join(chunks)
-            wall = time.monotonic() - t0
-            if logf:
-                logf.write(f"===== {backend} {shape.label()} rc={proc.returncode} {wall:.1f} s\n{output}\n")
-                logf.flush()
-            try:
-                with open(out_json) as f:
-                    res = json.load(f)
-            except (OSError, ValueError):
-                why = f"timed out after {limit:.4g} s" if timed_out else f"child exited with {proc.returncode}"
-                tail = " | ".join(line for line in output.strip().splitlines()[-3:])
-                res = {**base, "error": f"{why}: {tail}"[:400]}
-            if timed_out and res.get("status") == "ok":
-                res["status"], res["error"] = "error", f"timed out after {limit:.4g} s"
-            res["wall_s"] = wall
-            on_result(res)
-    finally:
-        if logf:
-            logf.close()
+            on_result(runs.run(f"{shape.label()} {backend}", base,
+                               lambda out_json: child_argv(args, backend, shape, out_json)))
 
 
 def merge(path: str, shapes: list[Shape], results: list[dict]) -> None:

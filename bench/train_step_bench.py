@@ -30,12 +30,8 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from megamoe import train  # noqa: E402
+from child_runs import ChildRuns  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager")
 DEFAULT_DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile")
@@ -177,56 +174,12 @@ def child_argv(args, layers: int, ckpt: str, dispatch: str, out_json: str) -> li
 
 
 def run_children(args, on_result) -> None:
-    start = time.monotonic()
-    tmp = tempfile.mkdtemp(prefix="train_step_bench.")
-    logf = open(args.log, "a") if args.log else None
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     order = [(L, c, d) for L in args.layers for c in args.ckpt for d in args.dispatch]
-    try:
-        for i, (layers, ckpt, dispatch) in enumerate(order):
+    with ChildRuns("train_step_bench.", args.child_timeout, args.deadline, args.log) as runs:
+        for layers, ckpt, dispatch in order:
             base = {"dispatch": dispatch, "layers": layers, "checkpointing": ckpt == "on", "status": "error"}
-            limit = args.child_timeout
-            if args.deadline:
-                left = args.deadline - (time.monotonic() - start)
-                if left < 20:
-                    on_result({**base, "status": "skipped", "error": f"--deadline {args.deadline:g} s reached"})
-                    continue
-                limit = min(limit, left)
-            out_json = os.path.join(tmp, f"{i}.json")
-            log(f"[layers {layers}, ckpt {ckpt}] {dispatch}: child process (limit {limit:.4g} s)")
-            t0 = time.monotonic()
-            proc = subprocess.Popen(child_argv(args, layers, ckpt, dispatch, out_json), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
-                                    errors="replace")
-            chunks: list[str] = []
-            reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
-            reader.start()
-            timed_out = False
-            try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
-                proc.wait()
-            reader.join(timeout=10)
-            output = "".join(chunks)
-            wall = time.monotonic() - t0
-            if logf:
-                logf.write(f"===== {dispatch} layers={layers} ckpt={ckpt} rc={proc.returncode} {wall:.1f} s\n"
-                           f"{output}\n")
-                logf.flush()
-            try:
-                with open(out_json) as f:
-                    res = json.load(f)
-            except (OSError, ValueError):
-                why = f"timed out after {limit:.4g} s" if timed_out else f"child exited with {proc.returncode}"
-                tail = " | ".join(output.strip().splitlines()[-3:])
-                res = {**base, "error": f"{why}: {tail}"[:400]}
-            res["wall_s"] = wall
-            on_result(res)
-    finally:
-        if logf:
-            logf.close()
+            on_result(runs.run(f"layers {layers}, ckpt {ckpt}, {dispatch}", base,
+                               lambda out_json: child_argv(args, layers, ckpt, dispatch, out_json)))
 
 
 def gib(v) -> str:
