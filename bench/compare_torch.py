@@ -600,11 +600,16 @@ def run_child(args) -> dict:
         phase = "first calls"
         t0 = time.perf_counter()
         for s in range(len(inputs.sets)):
-            grads = impl.bwd(impl.fwd(s), s)
-            del grads
+            # One line per call (to the child's log): where a slow first call spends its time,
+            # e.g. whether a compile happens once per shape or again for every routing.
+            for what in ("forward", "backward"):
+                t1 = time.perf_counter()
+                out = impl.fwd(s) if what == "forward" else impl.bwd(out, s)
+                if mem.cuda:
+                    torch.cuda.synchronize()
+                log(f"  {name}: first {what} of rotation slot {s}: {time.perf_counter() - t1:.1f} s")
+            del out
         sync_check(impl)
-        if mem.cuda:
-            torch.cuda.synchronize()
         res["first_calls_s"] = time.perf_counter() - t0
         mem.point("after_first_calls")
 
