@@ -71,15 +71,19 @@ def _load() -> ctypes.CDLL:
     else:
         raise ImportError("megamoe: libmegamoe_c.so not found (tried " + ", ".join(tried) +
                           "); install with `pip install .` or set MEGAMOE_LIBRARY")
-    P, C, T, B = ctypes.c_void_p, ctypes.POINTER(Config), ctypes.POINTER(Tensor), ctypes.POINTER(Buffer)
-    U64 = ctypes.POINTER(ctypes.c_uint64)
-    lib.megamoe_buffer_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64]
-    lib.megamoe_forward.argtypes = [C] + [T] * 6 + [B, B, P]
-    lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, P]
-    lib.megamoe_check.argtypes = [ctypes.c_int32, P]
-    lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
-    lib.megamoe_preset.argtypes = [ctypes.c_int32, ctypes.POINTER(PresetInfo), ctypes.POINTER(ctypes.c_int32)]
-    lib.megamoe_last_error.restype = ctypes.c_char_p
+    try:
+        P, C, T, B = ctypes.c_void_p, ctypes.POINTER(Config), ctypes.POINTER(Tensor), ctypes.POINTER(Buffer)
+        U64 = ctypes.POINTER(ctypes.c_uint64)
+        lib.megamoe_buffer_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64]
+        lib.megamoe_forward.argtypes = [C] + [T] * 6 + [B, B, P]
+        lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, P]
+        lib.megamoe_check.argtypes = [ctypes.c_int32, P]
+        lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
+        lib.megamoe_preset.argtypes = [ctypes.c_int32, ctypes.POINTER(PresetInfo), ctypes.POINTER(ctypes.c_int32)]
+        lib.megamoe_last_error.restype = ctypes.c_char_p
+    except AttributeError as e:  # a symbol this package calls is missing: a library from another version
+        raise ImportError(f"megamoe: {path} does not match this Python package ({e}); rebuild it "
+                          "(cmake --build build, or pip install .)") from None
     return lib
 
 

@@ -42,6 +42,18 @@ def test_swapped_experts_give_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_b[n], grads_a[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_swapped_model_runs_inference(mode):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    base, swapped = tiny_model(), tiny_model()
+    megamoe.use_megamoe_experts(swapped)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        want = base(input_ids=ids).logits
+        got = swapped(input_ids=ids).logits
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_swap_refuses_a_model_without_moe_experts():
     with pytest.raises(ValueError, match="no MoE experts module"):
         megamoe.use_megamoe_experts(torch.nn.Linear(4, 4))
