@@ -58,6 +58,31 @@ def test_interleaved_calls_of_different_sizes_are_exact():
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_threads_with_different_token_counts_keep_their_own_state():
+    # Each thread's backward gets its own forward's saved state (no cache shared between calls).
+    import threading
+
+    errors = []
+
+    def worker(T, seed):
+        try:
+            for _ in range(3):
+                ours, ref = random_inputs(T=T, seed=seed), random_inputs(T=T, seed=seed)
+                megamoe.moe(*ours).sum().backward()
+                moe_reference(*ref).sum().backward()
+                for got, want in zip((ours[0], ours[2], ours[3], ours[4]), (ref[0], ref[2], ref[3], ref[4])):
+                    torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(T, seed)) for T, seed in ((5, 1), (40, 2), (17, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_inference_needs_no_autograd(mode):
     x, idx, w, w13, w2 = random_inputs()
