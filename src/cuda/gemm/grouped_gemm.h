@@ -26,7 +26,6 @@
 #include <cstdint>
 
 #include "cuda/common/device_errors.h"
-#include "cuda/common/device_errors.h"
 #include "megamoe/status.h"
 
 namespace megamoe::cuda {

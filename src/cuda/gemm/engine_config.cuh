@@ -1,0 +1,78 @@
+// Compile-time configuration of the grouped GEMM engine: threads and register
+// split, tile and stage shapes per mode, the shared-memory budget, and the
+// checks that keep them consistent. Device code; included by grouped_gemm.cu.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_errors.h"
+#include "cuda/gemm/grouped_gemm.h"
+
+namespace megamoe::cuda::engine {
+
+// Warpgroup 0: the producer (one thread issues every TMA load); 1, 2: consumers.
+inline constexpr int kThreads = 384;
+// Registers per thread after the split (setmaxnreg): 40 x 128 + 232 x 256 fits
+// the 65536 of the SM; a consumer holds a 128 x 128 fp32 tile (128 per thread).
+inline constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+inline constexpr int kConsumerThreads = 128;
+inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
+static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= 65536, "register split exceeds the SM's file");
+static_assert(kAccPerThread + 64 <= kConsumerRegs, "accumulators leave too few registers for the epilogue");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+
+using Elem = uint16_t;  // bf16 operands, as raw 2-byte elements in shared memory
+inline constexpr int kBox = 64;                               // TMA box edge (elements)
+inline constexpr int kBoxBytes = kBox * kBox * sizeof(Elem);  // one 128B-swizzled box: 64 rows x 128 bytes
+inline constexpr int kTileBytesA = kBlockM * kBlockK * sizeof(Elem);  // 16 KB: two boxes
+inline constexpr int kTileBytesB = kBlockN * kBlockK * sizeof(Elem);  // 16 KB: two boxes
+inline constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+inline constexpr int kStagePad = 8;  // staging row padding (elements): fewer bank conflicts
+inline constexpr int kStagingLd = kBlockN + kStagePad;
+static_assert(kBlockK * sizeof(Elem) == 128, "a K-major box row must be one 128-byte swizzle row");
+static_assert(kBlockM == 2 * kBox && kBlockN == 2 * kBox && kBlockK == kBox, "tiles are 2 x 2 (A, B) boxes");
+static_assert(kBlockM == 2 * 64, "a consumer's tile is two m64 wgmma accumulators");
+static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
+
+template <GemmMode M>
+struct ModeTraits {
+  static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
+  static constexpr bool kBMnMajor =
+      M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
+  // kWeightGrad and kDownGrad write straight from registers: no staging.
+  static constexpr bool kStaged = M != GemmMode::kWeightGrad && M != GemmMode::kDownGrad;
+  static constexpr int kStages = kStaged ? 4 : 6;
+  // kDownGrad: after its k-blocks each tile takes two more ring stages that
+  // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
+  static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
+  static constexpr int kStagingBytes = kStaged ? kBlockM * kStagingLd * 2 : 0;  // per consumer
+  // Shared memory: [align pad][stages][staging x 2][full, empty, order mbarriers][tile_src: 2 x 128 x int32]
+  // [abort flag: u32, padded to 16 bytes]
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + 2 * kStagingBytes + (2 * kStages + 2) * 8 + 2 * kBlockM * 4 + 16;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the 227 KB an H100/H200 CTA may use");
+  static_assert(kZStages == 0 || 4 * kBoxBytes <= kStageBytes, "a z stage (4 boxes) must fit one ring stage");
+};
+
+// The KernelId a timed-out wait of mode M reports.
+template <GemmMode M>
+constexpr uint32_t kernel_id() {
+  switch (M) {
+    case GemmMode::kGateUp: return kKernelGemmGateUp;
+    case GemmMode::kDown: return kKernelGemmDown;
+    case GemmMode::kDownGrad: return kKernelGemmDownGrad;
+    case GemmMode::kGateUpGrad: return kKernelGemmGateUpGrad;
+    case GemmMode::kWeightGrad: return kKernelGemmWeightGrad;
+  }
+  return kKernelCount;
+}
+
+struct KernelParams {
+  GroupedGemmArgs args;
+  int n_tiles;  // output column tiles
+  int m_tiles;  // kWeightGrad: row tiles of dW[e]
+};
+
+}  // namespace megamoe::cuda::engine

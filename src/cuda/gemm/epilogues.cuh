@@ -1,0 +1,273 @@
+// The fused epilogue of each engine mode, one functor per mode:
+// Epilogue<M>{}(params, tile, acc, smem) turns a consumer's finished 128 x 128
+// fp32 tile (acc[h]: rows [64h, 64h + 64)) into the mode's outputs. Device
+// code; included by grouped_gemm.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/engine_config.cuh"
+#include "cuda/gemm/tile_scheduler.cuh"
+#include "cuda/ptx/sm90.cuh"
+
+namespace megamoe::cuda::engine {
+
+using namespace ptx;
+
+// Byte offset of element (row, col) of a 128 x 128 bf16 tile stored as four
+// 128B-swizzled 64 x 64 boxes, box (row half rh, column half ch) at byte
+// (2 rh + ch) * 8 KB (a kDownGrad z stage): within each 8-row atom,
+// 16-byte chunk j of row r sits at chunk j ^ (r % 8).
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
+  const int r = row & 63, c = col & 63;
+  const int box = (row >> 6) * 2 + (col >> 6);
+  return box * kBoxBytes + r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2));
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// A consumer's tile is two wgmma accumulators, acc[h] for rows [64h, 64h + 64).
+// Row of the tile held by element i of acc[h] in this thread, and its column.
+__device__ __forceinline__ int acc_row(int h, int i) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  return h * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+}
+__device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
+
+// Accumulator elements i and i + 1 are adjacent columns of one row: stage them
+// as one bf16x2 word.
+__device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int h, int i, float v0, float v1) {
+  *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(h, i) * kStagingLd + acc_col(i)) = __floats2bfloat162_rn(v0, v1);
+}
+
+// The consumer warpgroup's 128 threads copy a staged [128][cols] bf16 tile to
+// global rows. dst_row(r, chunk) returns the destination (nullptr: skip).
+template <typename RowFn>
+__device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int cols, RowFn dst_row) {
+  const int tid = threadIdx.x & 127;
+  const int chunks = cols / 8;
+  for (int c = tid; c < kBlockM * chunks; c += 128) {
+    const int r = c / chunks, cc = c % chunks;
+    __nv_bfloat16* dst = dst_row(r, cc);
+    if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
+  }
+}
+
+// Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
+
+// Shared memory one consumer's epilogue works in.
+struct EpilogueSmem {
+  __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (none for kWeightGrad, kDownGrad)
+  int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
+  const uint8_t* z[2];     // kDownGrad: the g and u stages (swizzled boxes)
+  uint64_t* z_empty[2];    // kDownGrad: their empty barriers (released once read)
+};
+
+// What every epilogue starts with: the barrier after which the previous
+// tile's copy-out has finished reading staging and tile_src. Slot-writing
+// modes look up each row's source once (the load overlaps the barrier); the
+// copy-out loop then reads shared memory, not a dependent global load per
+// 16-byte store.
+template <bool kSlots>
+__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueSmem& sm) {
+  const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
+  int32_t my_src = 0;
+  if (kSlots && tid < kBlockM) my_src = plan.row_src[pool_row0 + tid];
+  consumer_sync();
+  if (kSlots && tid < kBlockM) sm.tile_src[tid] = my_src;
+}
+
+template <GemmMode M>
+struct Epilogue;
+
+// kGateUp: z (keep) and a = silu(g) u, both bf16, to the pools.
+template <>
+struct Epilogue<GemmMode::kGateUp> {
+  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             const EpilogueSmem& sm) const {
+    const GroupedGemmArgs& a = p.args;
+    const DevicePlan& plan = a.plan;
+    __nv_bfloat16* staging = sm.staging;
+    const int64_t I = a.intermediate;
+    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+    begin_epilogue<false>(plan, pool_row0, sm);
+    // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
+    auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
+    auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
+    if (z_pool != nullptr) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) stage_pair(staging, h, i, acc[h][i], acc[h][i + 1]);
+      consumer_sync();
+      copy_out_bf16(staging, kBlockN, [&](int r, int cc) {
+        const int64_t col = cc < 8 ? tile.n * 64 + cc * 8 : I + tile.n * 64 + (cc - 8) * 8;
+        return z_pool + (pool_row0 + r) * 2 * I + col;
+      });
+      consumer_sync();
+  }
+  if (a_pool != nullptr) {  // null when the backward recomputes z only
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
+        const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
+        const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
+        stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
+      }
+    consumer_sync();
+    copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
+  }
+  }
+};
+
+// kDown (weighted expert output) and kGateUpGrad (dx part): rows to the source token's slot [j, t].
+template <GemmMode M>
+struct SlotEpilogue {
+  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             const EpilogueSmem& sm) const {
+    const GroupedGemmArgs& a = p.args;
+    const DevicePlan& plan = a.plan;
+    __nv_bfloat16* staging = sm.staging;
+    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+    begin_epilogue<true>(plan, pool_row0, sm);
+    // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
+    const int k = plan.top_k;
+    const int64_t T = plan.num_tokens, N = a.n;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float w_row[2] = {1.0f, 1.0f};
+      if constexpr (M == GemmMode::kDown) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+          w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const float w = w_row[(i >> 1) & 1];
+        stage_pair(staging, h, i, w * acc[h][i], w * acc[h][i + 1]);
+      }
+  }
+  consumer_sync();
+  auto* slots = static_cast<__nv_bfloat16*>(a.out0);
+  copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
+    const int src = sm.tile_src[r];
+    if (src < 0) return nullptr;
+    const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
+    return slots + slot_row * N + tile.n * kBlockN + cc * 8;
+  });
+  }
+};
+template <>
+struct Epilogue<GemmMode::kDown> : SlotEpilogue<GemmMode::kDown> {};
+template <>
+struct Epilogue<GemmMode::kGateUpGrad> : SlotEpilogue<GemmMode::kGateUpGrad> {};
+
+// kDownGrad: from ga and the saved z, the SwiGLU backward, the dW2 operand and d topk_w partials.
+template <>
+struct Epilogue<GemmMode::kDownGrad> {
+  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             const EpilogueSmem& sm) const {
+    const GroupedGemmArgs& a = p.args;
+    const DevicePlan& plan = a.plan;
+    const int64_t I = a.intermediate;
+    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+    begin_epilogue<false>(plan, pool_row0, sm);
+    // acc = ga for a-columns 128n + c. With (g, u) from the saved z (in the
+    // two z stages):
+    //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
+    //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand).
+    // Outputs go straight from registers (a quad writes 16 contiguous bytes
+    // of a row), so the z stages return to the producer as soon as they are
+    // read and the other consumer's main loop keeps its pipeline depth.
+    auto* dz = static_cast<__nv_bfloat16*>(a.out0);
+    auto* wa = static_cast<__nv_bfloat16*>(a.out1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float w_row[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+        w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
+      }
+      float dw[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int row = acc_row(h, i), col = acc_col(i), q = (i >> 1) & 1;
+        const uint32_t off = swizzled_offset(row, col);
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[0] + off);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[1] + off);
+        float out_wa[2], out_dg[2], out_du[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
+          const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
+          const float ga = acc[h][i + e], w = w_row[q];
+          const float av = round_bf16(silu * u);
+          dw[q] += ga * av;
+          out_wa[e] = w * av;
+          out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
+          out_du[e] = (w * ga) * silu;
+        }
+        const int64_t prow = pool_row0 + row, c = static_cast<int64_t>(tile.n) * kBlockN + col;
+        *reinterpret_cast<__nv_bfloat162*>(wa + prow * I + c) = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + c) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + I + c) = __floats2bfloat162_rn(out_du[0], out_du[1]);
+      }
+      // Row sums over this thread's columns, then over the quad: fixed order.
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 1);
+        dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
+        if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
+      }
+  }
+  __syncwarp();  // every lane of this warp has read its z elements
+  if ((threadIdx.x & 31) == 0) {
+    mbar_arrive(sm.z_empty[0]);
+    mbar_arrive(sm.z_empty[1]);
+  }
+  }
+};
+
+// kWeightGrad: dW[e][128m + r][128n + c], straight from registers.
+template <>
+struct Epilogue<GemmMode::kWeightGrad> {
+  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             const EpilogueSmem& sm) const {
+    const GroupedGemmArgs& a = p.args;
+    const DevicePlan& plan = a.plan;
+    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
+    begin_epilogue<false>(plan, pool_row0, sm);
+    // A quad's four threads hold 8 adjacent columns of a row: 32-byte (fp32)
+    // or 16-byte (bf16) contiguous pieces per row.
+    const int64_t N = a.n;
+    const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
+                         static_cast<int64_t>(tile.n) * kBlockN;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int64_t off = base + static_cast<int64_t>(acc_row(h, i)) * N + acc_col(i);
+        float2 v = make_float2(acc[h][i], acc[h][i + 1]);
+        if (a.out_f32) {
+          auto* dst = reinterpret_cast<float2*>(static_cast<float*>(a.out0) + off);
+          if (a.accumulate) {
+            const float2 old = *dst;
+            v.x += old.x, v.y += old.y;
+          }
+          *dst = v;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out0) + off) = __floats2bfloat162_rn(v.x, v.y);
+        }
+      }
+  }
+};
+
+}  // namespace megamoe::cuda::engine

@@ -1,0 +1,130 @@
+// Pipeline state and barriers of the grouped GEMM engine, as types: the ring
+// of shared-memory stages (full / empty mbarriers), the running position in
+// it, the consumers' ordering barriers, and the bounded wait every one of
+// them goes through. Device code only; included by grouped_gemm.cu.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/device_errors.h"
+#include "cuda/ptx/sm90.cuh"
+
+namespace megamoe::cuda::engine {
+
+// The CTA's running stage iteration `it`: the producer and both consumers
+// step it over every stage of every tile in the same order, so one counter
+// names a ring slot (it % kStages) and the parity of its phase
+// ((it / kStages) & 1) for all of them. Reports and debug_stall_at use it as
+// the "phase" of a wait.
+template <int kStages>
+struct PipelineState {
+  uint32_t it = 0;
+
+  __device__ __forceinline__ int stage() const { return static_cast<int>(it % kStages); }
+  __device__ __forceinline__ uint32_t parity() const { return (it / kStages) & 1; }
+  // The slot of the iteration before this one (the stage a consumer gives back).
+  __device__ __forceinline__ int previous_stage() const { return static_cast<int>((it + kStages - 1) % kStages); }
+  __device__ __forceinline__ PipelineState ahead(uint32_t n) const { return PipelineState{it + n}; }
+  __device__ __forceinline__ void advance(uint32_t n) { it += n; }
+  __device__ __forceinline__ PipelineState& operator++() {
+    ++it;
+    return *this;
+  }
+};
+
+// ---- bounded waits ------------------------------------------------------------
+// Every mbarrier wait of the kernel goes through BoundedWait::wait: poll
+// try_wait (which itself suspends the thread for a hardware-chosen while);
+// after a failed poll, look at the clock. A wait that has lasted longer than
+// its bound sets the CTA's shared abort flag, reports (kernel, block,
+// barrier, phase, waited) to the error sink (the first report per device
+// wins) and returns false; so does, promptly, every other wait of the CTA
+// that finds the flag set and its own barrier still incomplete kAbortGraceNs
+// later. A caller that gets false returns from the kernel (a consumer first
+// retires its wgmma groups). No trap: the CUDA context stays usable and the
+// host learns of it from take_device_error (kTimeout).
+//
+// Bounds: full waits (the consumers waiting for loaded stages) give up after
+// timeout_ns; empty and order waits (the producer waiting for consumers, a
+// consumer for the other one) after 2 x timeout_ns. Those are downstream of a
+// stalled full wait, so the wait nearest the cause reports and the others
+// then leave through the abort flag.
+//
+// The grace after seeing the flag: a thread leaves only when its barrier has
+// not completed for that long, so a TMA load issued just before the abort has
+// landed before the CTA's shared memory goes away (loads take microseconds).
+//
+// What stays unbounded: the named barriers of an epilogue (bar.sync among one
+// consumer warpgroup) and the warpgroup-wide (.aligned) wgmma instructions
+// cannot time out. All warps of a consumer warpgroup wait on the same
+// mbarrier phase at the same place and give up there together; but if that
+// phase completes in the instant between one warp giving up and another
+// warp's next poll, the second warp goes on alone and can block for good in
+// bar.sync or wgmma. That needs a phase to complete just as it times out,
+// i.e. a pipeline that was seconds late rather than stuck.
+inline constexpr uint64_t kAbortGraceNs = 1'000'000;  // 1 ms
+
+struct BoundedWait {
+  const DeviceErrorSink& sink;
+  uint32_t* abort_flag;  // shared: set by the first wait of the CTA that gives up
+  uint32_t kernel;       // the KernelId a report names
+
+  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
+    if (ptx::mbar_try_wait(bar, parity)) return true;
+    const uint64_t start = global_timer_ns();
+    uint64_t leave_at = ~uint64_t{0};  // set once the abort flag is seen
+    for (;;) {
+      if (ptx::mbar_try_wait(bar, parity)) return true;
+      const uint64_t now = global_timer_ns();
+      if (now >= leave_at) return false;
+      // Shared-memory atomics (slow path only): the flag is read and written by
+      // many threads with no barrier between them, by design.
+      if (leave_at == ~uint64_t{0} && atomicOr(abort_flag, 0u) != 0u) leave_at = now + kAbortGraceNs;
+      const uint64_t waited = now - start;
+      if ((barrier == kBarrierFull ? waited : waited / 2) >= sink.timeout_ns) {
+        atomicOr(abort_flag, 1u);
+        report_timeout(sink, kernel, barrier, phase, waited);
+        return false;
+      }
+    }
+  }
+};
+
+// The ring: stage s is free (empty[s], one arrival per warp of the consumer
+// that used it) or loaded (full[s], the producer's expect-tx arrival plus the
+// TMA bytes).
+template <int kStages>
+struct StageRing {
+  uint64_t* full;
+  uint64_t* empty;
+
+  // The producer: wait until the slot of `ps` is free (its previous use released).
+  __device__ __forceinline__ bool wait_empty(const BoundedWait& w, PipelineState<kStages> ps) const {
+    return w.wait(&empty[ps.stage()], ps.parity() ^ 1, kBarrierEmpty, ps.it);
+  }
+  // A consumer: wait until the slot of `ps` holds its data.
+  __device__ __forceinline__ bool wait_full(const BoundedWait& w, PipelineState<kStages> ps) const {
+    return w.wait(&full[ps.stage()], ps.parity(), kBarrierFull, ps.it);
+  }
+};
+
+// The consumers run their main loops in tile order, one at a time: a consumer
+// starts waiting for its tile's stages only after the other has waited for
+// all stages of the previous tile. Without that it could poll a stage whose
+// previous use (it - kStages) has not completed yet, and a parity wait cannot
+// tell those two phases apart (it would read the old contents).
+// Consumer 0's n-th tile follows consumer 1's (n-1)-th: phase n - 1 of
+// bar[0]; consumer 1's n-th follows consumer 0's n-th: phase n of bar[1].
+struct OrderBarriers {
+  uint64_t* bar;  // [2]
+
+  // Consumer cw before its tile number `mine` (0-based) whose first stage is `it`.
+  __device__ __forceinline__ bool wait_turn(const BoundedWait& w, int cw, int mine, uint32_t it) const {
+    if (cw == 0 && mine == 0) return true;
+    return w.wait(&bar[cw], static_cast<uint32_t>(cw == 0 ? mine - 1 : mine) & 1, kBarrierOrder, it);
+  }
+  // Consumer cw has waited for all stages of its tile: the other may start.
+  __device__ __forceinline__ void pass_turn(int cw) const { ptx::mbar_arrive(&bar[cw ^ 1]); }
+};
+
+}  // namespace megamoe::cuda::engine

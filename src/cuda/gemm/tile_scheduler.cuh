@@ -1,0 +1,56 @@
+// Which output tiles a CTA computes, and in what order. Device code; included
+// by grouped_gemm.cu.
+//
+// Tiles are numbered on the device (their count depends on the routing, read
+// from the plan, never from the host); CTA b takes t = b, b + grid, ... and
+// its two consumers alternate over them. Order today: M-grouped modes walk
+// the pool's 128-row tiles in pool order (experts in id order), the column
+// tiles of one row tile next to each other, so the row tile's A rows are
+// read from L2 by consecutive tiles; kWeightGrad walks (expert, m, n).
+#pragma once
+
+#include "cuda/gemm/engine_config.cuh"
+
+namespace megamoe::cuda::engine {
+
+// Work of one output tile.
+struct Tile {
+  int expert, m, n;  // m: pool tile (M-grouped) or dW row tile (kWeightGrad)
+  int k_begin;       // first K coordinate (pool row for kWeightGrad, else 0)
+  int k_blocks;
+};
+
+template <GemmMode M>
+struct TileScheduler {
+  const KernelParams& p;
+
+  __device__ __forceinline__ int num_tiles() const {
+    if constexpr (M == GemmMode::kWeightGrad) {
+      return p.args.plan.num_experts * p.m_tiles * p.n_tiles;
+    } else {
+      return (*p.args.plan.pool_rows / kBlockM) * p.n_tiles;
+    }
+  }
+
+  __device__ __forceinline__ Tile tile(int t) const {
+    Tile tile;
+    if constexpr (M == GemmMode::kWeightGrad) {
+      const int per_expert = p.m_tiles * p.n_tiles;
+      tile.expert = t / per_expert;
+      tile.m = (t % per_expert) / p.n_tiles;
+      tile.n = t % p.n_tiles;
+      const int rows = p.args.plan.expert_rows[tile.expert];
+      tile.k_begin = p.args.plan.expert_offset[tile.expert];
+      tile.k_blocks = ((rows + kBlockM - 1) / kBlockM) * (kBlockM / kBlockK);  // segments are 128-padded
+    } else {
+      tile.m = t / p.n_tiles;
+      tile.n = t % p.n_tiles;
+      tile.expert = p.args.plan.tile_expert[tile.m];
+      tile.k_begin = 0;
+      tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
+    }
+    return tile;
+  }
+};
+
+}  // namespace megamoe::cuda::engine
