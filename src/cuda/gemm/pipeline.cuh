@@ -7,30 +7,10 @@
 #include <cstdint>
 
 #include "cuda/common/device_errors.h"
+#include "cuda/gemm/pipeline_state.h"
 #include "cuda/ptx/sm90.cuh"
 
 namespace megamoe::cuda::engine {
-
-// The CTA's running stage iteration `it`: the producer and both consumers
-// step it over every stage of every tile in the same order, so one counter
-// names a ring slot (it % kStages) and the parity of its phase
-// ((it / kStages) & 1) for all of them. Reports and debug_stall_at use it as
-// the "phase" of a wait.
-template <int kStages>
-struct PipelineState {
-  uint32_t it = 0;
-
-  __device__ __forceinline__ int stage() const { return static_cast<int>(it % kStages); }
-  __device__ __forceinline__ uint32_t parity() const { return (it / kStages) & 1; }
-  // The slot of the iteration before this one (the stage a consumer gives back).
-  __device__ __forceinline__ int previous_stage() const { return static_cast<int>((it + kStages - 1) % kStages); }
-  __device__ __forceinline__ PipelineState ahead(uint32_t n) const { return PipelineState{it + n}; }
-  __device__ __forceinline__ void advance(uint32_t n) { it += n; }
-  __device__ __forceinline__ PipelineState& operator++() {
-    ++it;
-    return *this;
-  }
-};
 
 // ---- bounded waits ------------------------------------------------------------
 // Every mbarrier wait of the kernel goes through BoundedWait::wait: poll
@@ -100,7 +80,7 @@ struct StageRing {
 
   // The producer: wait until the slot of `ps` is free (its previous use released).
   __device__ __forceinline__ bool wait_empty(const BoundedWait& w, PipelineState<kStages> ps) const {
-    return w.wait(&empty[ps.stage()], ps.parity() ^ 1, kBarrierEmpty, ps.it);
+    return w.wait(&empty[ps.stage()], ps.empty_parity(), kBarrierEmpty, ps.it);
   }
   // A consumer: wait until the slot of `ps` holds its data.
   __device__ __forceinline__ bool wait_full(const BoundedWait& w, PipelineState<kStages> ps) const {
@@ -112,16 +92,15 @@ struct StageRing {
 // starts waiting for its tile's stages only after the other has waited for
 // all stages of the previous tile. Without that it could poll a stage whose
 // previous use (it - kStages) has not completed yet, and a parity wait cannot
-// tell those two phases apart (it would read the old contents).
-// Consumer 0's n-th tile follows consumer 1's (n-1)-th: phase n - 1 of
-// bar[0]; consumer 1's n-th follows consumer 0's n-th: phase n of bar[1].
+// tell those two phases apart (it would read the old contents). The phases:
+// order_must_wait / order_parity (pipeline_state.h).
 struct OrderBarriers {
   uint64_t* bar;  // [2]
 
   // Consumer cw before its tile number `mine` (0-based) whose first stage is `it`.
   __device__ __forceinline__ bool wait_turn(const BoundedWait& w, int cw, int mine, uint32_t it) const {
-    if (cw == 0 && mine == 0) return true;
-    return w.wait(&bar[cw], static_cast<uint32_t>(cw == 0 ? mine - 1 : mine) & 1, kBarrierOrder, it);
+    if (!order_must_wait(cw, mine)) return true;
+    return w.wait(&bar[cw], order_parity(cw, mine), kBarrierOrder, it);
   }
   // Consumer cw has waited for all stages of its tile: the other may start.
   __device__ __forceinline__ void pass_turn(int cw) const { ptx::mbar_arrive(&bar[cw ^ 1]); }

@@ -1,0 +1,217 @@
+// A CPU model of the grouped GEMM engine's pipeline protocol (one CTA: the
+// producer, the TMA unit completing loads in any order, two ping-pong
+// consumers), driven by the kernel's own arithmetic (cuda/gemm/pipeline_state.h)
+// under random interleavings. Checked: every stage a consumer's wait lets it
+// read holds the iteration it expects (never an older or newer load), and the
+// CTA always finishes (no deadlock). The model without order barriers must
+// fail the first check: the test can fail.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/pipeline_state.h"
+
+namespace {
+
+using megamoe::cuda::engine::order_must_wait;
+using megamoe::cuda::engine::order_parity;
+using megamoe::cuda::engine::PipelineState;
+
+// An mbarrier: a phase completes when `count` arrivals have come.
+// try_wait(parity) is PTX's: true once the phase with that parity has
+// completed (the phase before the first counts as completed).
+struct Barrier {
+  int count = 1;
+  int arrivals = 0;
+  uint32_t completed = 0;
+  bool try_wait(uint32_t parity) const { return (completed & 1u) != parity; }
+  void arrive() {
+    if (++arrivals == count) arrivals = 0, ++completed;
+  }
+};
+
+struct TileWork {
+  int k_blocks;
+  int z_stages;  // kDownGrad: 2 more stages per tile, read in the epilogue
+};
+
+template <int S>
+struct Cta {
+  std::vector<TileWork> tiles;
+  bool use_order = true;
+  Barrier full[S], empty[S], order[2];
+  int64_t content[S];  // the iteration whose data the stage holds (-1: none)
+  std::vector<std::pair<int, uint32_t>> in_flight;  // loads issued, not yet landed: (stage, iteration)
+  std::string violation;
+
+  // Producer.
+  size_t p_tile = 0;
+  int p_step = 0;  // stage of the current tile
+  PipelineState<S> p_ps;
+  // Consumers.
+  struct Consumer {
+    size_t tile = 0;
+    int step = -1;  // -1: before the order wait; [0, k): main loop; [k, k + z): z stages; k + z: epilogue
+    int mine = 0;
+    PipelineState<S> ps;
+    std::vector<int> z_held;  // z stages read, released in the epilogue
+  } c[2];
+
+  Cta() {
+    for (int s = 0; s < S; ++s) full[s].count = 1, empty[s].count = 1, content[s] = -1;
+  }
+
+  bool done() const {
+    return p_tile == tiles.size() && in_flight.empty() && c[0].tile >= tiles.size() && c[1].tile >= tiles.size();
+  }
+
+  // One step of the producer; false when it is blocked or done.
+  bool producer_step() {
+    while (p_tile < tiles.size() && tiles[p_tile].k_blocks + tiles[p_tile].z_stages == 0) ++p_tile;  // no loads
+    if (p_tile == tiles.size()) return false;
+    const TileWork& t = tiles[p_tile];
+    if (!empty[p_ps.stage()].try_wait(p_ps.empty_parity())) return false;
+    in_flight.emplace_back(p_ps.stage(), p_ps.it);
+    ++p_ps;
+    if (++p_step == t.k_blocks + t.z_stages) p_step = 0, ++p_tile;
+    return true;
+  }
+
+  // The TMA unit: one in-flight load lands.
+  bool tma_step(std::mt19937& rng) {
+    if (in_flight.empty()) return false;
+    const size_t i = rng() % in_flight.size();
+    const auto [s, it] = in_flight[i];
+    in_flight.erase(in_flight.begin() + static_cast<long>(i));
+    content[s] = it;
+    full[s].arrive();
+    return true;
+  }
+
+  bool read_stage(PipelineState<S> ps, const char* what) {
+    if (!full[ps.stage()].try_wait(ps.parity())) return false;
+    if (content[ps.stage()] != ps.it && violation.empty())
+      violation = std::string(what) + ": iteration " + std::to_string(ps.it) + " read stage " +
+                  std::to_string(ps.stage()) + " holding iteration " + std::to_string(content[ps.stage()]);
+    return true;
+  }
+
+  // One step of consumer cw; false when it is blocked or done.
+  bool consumer_step(int cw) {
+    Consumer& me = c[cw];
+    // Skip the other consumer's tiles (the kernel walks them to keep `it` in step).
+    while (me.tile < tiles.size() && static_cast<int>(me.tile & 1) != cw) {
+      me.ps.advance(static_cast<uint32_t>(tiles[me.tile].k_blocks + tiles[me.tile].z_stages));
+      ++me.tile;
+    }
+    if (me.tile >= tiles.size()) return false;
+    const TileWork& t = tiles[me.tile];
+    if (me.step == -1) {
+      if (use_order && order_must_wait(cw, me.mine) && !order[cw].try_wait(order_parity(cw, me.mine))) return false;
+      ++me.mine;
+      me.step = 0;
+      return true;
+    }
+    if (me.step < t.k_blocks) {
+      if (!read_stage(me.ps, "main loop")) return false;
+      if (me.step > 0) empty[me.ps.previous_stage()].arrive();  // the previous k-block's wgmma group retired
+      ++me.ps;
+      ++me.step;
+      if (me.step == t.k_blocks && t.k_blocks > 0) empty[me.ps.previous_stage()].arrive();
+      return true;
+    }
+    if (me.step < t.k_blocks + t.z_stages) {
+      const PipelineState<S> z = me.ps.ahead(static_cast<uint32_t>(me.step - t.k_blocks));
+      if (!read_stage(z, "z stage")) return false;
+      me.z_held.push_back(z.stage());
+      ++me.step;
+      return true;
+    }
+    // Epilogue: let the other consumer start its main loop, release the z stages, next tile.
+    order[cw ^ 1].arrive();
+    for (int s : me.z_held) empty[s].arrive();
+    me.z_held.clear();
+    me.ps.advance(static_cast<uint32_t>(t.z_stages));
+    me.step = -1;
+    ++me.tile;
+    return true;
+  }
+
+  // Runs to the end under a random interleaving; false on deadlock.
+  bool run(std::mt19937& rng) {
+    for (int guard = 0; guard < 1000000; ++guard) {
+      if (done()) return true;
+      bool moved = false;
+      for (int attempt = 0; attempt < 8 && !moved; ++attempt) {
+        switch (rng() % 4) {
+          case 0: moved = producer_step(); break;
+          case 1: moved = tma_step(rng); break;
+          case 2: moved = consumer_step(0); break;
+          default: moved = consumer_step(1); break;
+        }
+      }
+      if (!moved) moved = producer_step() || tma_step(rng) || consumer_step(0) || consumer_step(1);
+      if (!moved) return done();
+    }
+    return false;
+  }
+};
+
+template <int S>
+std::vector<TileWork> random_tiles(std::mt19937& rng, bool z) {
+  std::vector<TileWork> tiles(rng() % 10);
+  for (TileWork& t : tiles) t = {static_cast<int>(rng() % (3 * S + 1)), z ? 2 : 0};
+  return tiles;
+}
+
+template <int S>
+void check_protocol(bool z) {
+  for (uint32_t seed = 0; seed < 3000; ++seed) {
+    std::mt19937 rng(seed);
+    Cta<S> cta;
+    cta.tiles = random_tiles<S>(rng, z);
+    ASSERT_TRUE(cta.run(rng)) << "deadlock, seed " << seed;
+    ASSERT_EQ(cta.violation, "") << "seed " << seed;
+  }
+}
+
+TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_protocol<4>(false); }
+TEST(PipelineProtocol, SixStagesWithZStagesEveryReadSeesItsOwnLoad) { check_protocol<6>(true); }
+
+// Without the order barriers a consumer can poll a stage two phases ahead and
+// read an older load: the model must catch it on some interleaving.
+TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
+  int found = 0;
+  for (uint32_t seed = 0; seed < 3000 && found == 0; ++seed) {
+    std::mt19937 rng(seed);
+    Cta<4> cta;
+    cta.use_order = false;
+    cta.tiles = random_tiles<4>(rng, false);
+    cta.run(rng);
+    found += !cta.violation.empty();
+  }
+  EXPECT_GT(found, 0);
+}
+
+TEST(PipelineProtocol, StateArithmetic) {
+  PipelineState<4> ps;
+  EXPECT_EQ(ps.stage(), 0);
+  EXPECT_EQ(ps.parity(), 0u);
+  EXPECT_EQ(ps.empty_parity(), 1u);  // the first pass finds every stage free
+  EXPECT_EQ(ps.previous_stage(), 3);
+  ps.advance(5);
+  EXPECT_EQ(ps.stage(), 1);
+  EXPECT_EQ(ps.parity(), 1u);
+  EXPECT_EQ(ps.ahead(3).stage(), 0);
+  EXPECT_EQ(ps.ahead(3).parity(), 0u);
+  EXPECT_FALSE(order_must_wait(0, 0));
+  EXPECT_TRUE(order_must_wait(1, 0));
+  EXPECT_EQ(order_parity(1, 0), 0u);  // consumer 1's first tile: phase 0 of order[1]
+  EXPECT_EQ(order_parity(0, 1), 0u);  // consumer 0's second tile: phase 0 of order[0]
+  EXPECT_EQ(order_parity(0, 2), 1u);
+}
+
+}  // namespace
