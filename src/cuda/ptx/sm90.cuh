@@ -39,8 +39,8 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   return done != 0;
 }
 // There is deliberately no unbounded wait here: the engine's waits poll
-// mbar_try_wait under a time bound and report what gave up (wait_phase in
-// gemm/grouped_gemm.cu).
+// mbar_try_wait under a time bound and report what gave up (BoundedWait in
+// gemm/pipeline.cuh).
 
 // ---- TMA ----------------------------------------------------------------------
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
