@@ -52,7 +52,8 @@ __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int 
   for (int c = tid; c < kBlockM * chunks; c += 128) {
     const int r = c / chunks, cc = c % chunks;
     __nv_bfloat16* dst = dst_row(r, cc);
-    if (dst != nullptr) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
+    if (dst != nullptr)
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
   }
 }
 
@@ -109,19 +110,19 @@ struct Epilogue<GemmMode::kGateUp> {
         return z_pool + (pool_row0 + r) * 2 * I + col;
       });
       consumer_sync();
-  }
-  if (a_pool != nullptr) {  // null when the backward recomputes z only
+    }
+    if (a_pool != nullptr) {  // null when the backward recomputes z only
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
-        const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
-        const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
-        stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
-      }
-    consumer_sync();
-    copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
-  }
+        for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
+          const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
+          const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
+          stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
+        }
+      consumer_sync();
+      copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
+    }
   }
 };
 
@@ -153,15 +154,15 @@ struct SlotEpilogue {
         const float w = w_row[(i >> 1) & 1];
         stage_pair(staging, h, i, w * acc[h][i], w * acc[h][i + 1]);
       }
-  }
-  consumer_sync();
-  auto* slots = static_cast<__nv_bfloat16*>(a.out0);
-  copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
-    const int src = sm.tile_src[r];
-    if (src < 0) return nullptr;
-    const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
-    return slots + slot_row * N + tile.n * kBlockN + cc * 8;
-  });
+    }
+    consumer_sync();
+    auto* slots = static_cast<__nv_bfloat16*>(a.out0);
+    copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
+      const int src = sm.tile_src[r];
+      if (src < 0) return nullptr;
+      const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
+      return slots + slot_row * N + tile.n * kBlockN + cc * 8;
+    });
   }
 };
 template <>
@@ -227,12 +228,12 @@ struct Epilogue<GemmMode::kDownGrad> {
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
-  }
-  __syncwarp();  // every lane of this warp has read its z elements
-  if ((threadIdx.x & 31) == 0) {
-    mbar_arrive(sm.z_empty[0]);
-    mbar_arrive(sm.z_empty[1]);
-  }
+    }
+    __syncwarp();  // every lane of this warp has read its z elements
+    if ((threadIdx.x & 31) == 0) {
+      mbar_arrive(sm.z_empty[0]);
+      mbar_arrive(sm.z_empty[1]);
+    }
   }
 };
 
@@ -264,7 +265,8 @@ struct Epilogue<GemmMode::kWeightGrad> {
           }
           *dst = v;
         } else {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out0) + off) = __floats2bfloat162_rn(v.x, v.y);
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(a.out0) + off) =
+              __floats2bfloat162_rn(v.x, v.y);
         }
       }
   }
