@@ -21,6 +21,13 @@ def log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
+def finish_child(result: dict, path: str, ok_statuses=("ok",)) -> int:
+    """A child's last act: its result as JSON where the parent looks, and its exit status."""
+    with open(path, "w") as f:
+        json.dump(result, f)
+    return 0 if result.get("status") in ok_statuses else 1
+
+
 class ChildRuns:
     def __init__(self, prefix: str, child_timeout: float, deadline: float = 0.0, log_path: str | None = None):
         self.start = time.monotonic()

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 from megamoe.train import PRESETS as MODEL_PRESETS  # noqa: E402  (one definition of the shapes)
-from child_runs import ChildRuns  # noqa: E402  (bench/ is on sys.path when this script runs)
+from child_runs import ChildRuns, finish_child  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe", "hf_eager")
 DEFAULT_BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe")
@@ -599,16 +599,20 @@ def run_child(args) -> dict:
         # kernel loading, once per rotation slot; reported, never timed below.
         phase = "first calls"
         t0 = time.perf_counter()
+        # One line per call (to the child's log): where a slow first call spends its time,
+        # e.g. whether a compile happens once per shape or again for every routing.
+        def first(what: str, s: int, call: Callable[..., Any], *call_args) -> Any:
+            t1 = time.perf_counter()
+            result = call(*call_args)
+            if mem.cuda:
+                torch.cuda.synchronize()
+            log(f"  {name}: first {what} of rotation slot {s}: {time.perf_counter() - t1:.1f} s")
+            return result
+
         for s in range(len(inputs.sets)):
-            # One line per call (to the child's log): where a slow first call spends its time,
-            # e.g. whether a compile happens once per shape or again for every routing.
-            for what in ("forward", "backward"):
-                t1 = time.perf_counter()
-                out = impl.fwd(s) if what == "forward" else impl.bwd(out, s)
-                if mem.cuda:
-                    torch.cuda.synchronize()
-                log(f"  {name}: first {what} of rotation slot {s}: {time.perf_counter() - t1:.1f} s")
-            del out
+            state = first("forward", s, impl.fwd, s)
+            first("backward", s, impl.bwd, state, s)  # the gradients are dropped at once
+            del state
         sync_check(impl)
         res["first_calls_s"] = time.perf_counter() - t0
         mem.point("after_first_calls")
@@ -903,10 +907,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.backend:
-        res = run_child(args)
-        with open(args.json, "w") as f:
-            json.dump(res, f)
-        return 0 if res["status"] in ("ok", "unavailable") else 1
+        return finish_child(run_child(args), args.json, ok_statuses=("ok", "unavailable"))
 
     # The parent never touches the GPU: a CUDA context here would count in every child's driver numbers.
     shapes = [Shape.of(p, t) for p in args.preset for t in args.tokens]

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from megamoe import train  # noqa: E402
-from child_runs import ChildRuns  # noqa: E402  (bench/ is on sys.path when this script runs)
+from child_runs import ChildRuns, finish_child  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager")
 DEFAULT_DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile")
@@ -314,10 +314,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        res = run_child(args)
-        with open(args.json, "w") as f:
-            json.dump(res, f)
-        return 0 if res["status"] == "ok" else 1
+        return finish_child(run_child(args), args.json)
     # The parent never touches the GPU: its CUDA context would count in every child's driver numbers.
     t0 = time.monotonic()
     results: list[dict] = []

@@ -159,8 +159,8 @@ def config_from_dict(raw: dict) -> TrainConfig:
     cfg = TrainConfig()
     for key in KEYS:
         if key.path in values:
-            setattr(cfg, key.attr, _check_value(key, values[key.path]))
-    validate(cfg)
+            setattr(cfg, key.attr, values[key.path])
+    validate(cfg)  # checks every value against its key, naming the key
     return cfg
 
 
@@ -184,9 +184,10 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Rejects bad values and unsupported combinations at start-up, naming the option."""
-    for key in KEYS:  # values set from Python (benchmarks, --steps) meet the same limits as the TOML's
-        _check_value(key, getattr(cfg, key.attr))
+    """Checks every value against its key (an integer lr becomes a float) and rejects unsupported
+    combinations at start-up, naming the option."""
+    for key in KEYS:  # from the TOML or set from Python (benchmarks, --steps): the same limits
+        setattr(cfg, key.attr, _check_value(key, getattr(cfg, key.attr)))
     device = resolve_device(cfg)
     if cfg.dispatch != "mega_moe" and cfg.precision != "bf16":
         raise ConfigError(f"trainer.model.moe.dispatch.precision = {cfg.precision!r} needs type = 'mega_moe' "

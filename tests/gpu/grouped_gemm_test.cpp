@@ -153,6 +153,20 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   }
   double route_weight(int src) const { return data.topk_weights.get(src); }
 
+  // A kDown launch: random a pool [C, I] and w2 [E*H, I], weighted rows into slots [k*T, H].
+  cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots) {
+    random_pool(a, I, 3);
+    random_mat(w2, E * H, I, 1.0 / 11, 4);
+    slots.make(k * T, H);
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
+    g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
+    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+    g.topk_weights = static_cast<const float*>(weights.view().data);
+    g.out0 = slots.dev.view().data;
+    return g;
+  }
+
   // Slot row j*T + t of every real pool row r (routed from (t, j)) against ref[r] (times its weight).
   void expect_slots_match(const Mat& slots, const std::vector<double>& ref, bool weighted) {
     const auto got = slots.download();
@@ -238,15 +252,7 @@ TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
 
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
   Mat a, w2, slots;
-  random_pool(a, I, 3);
-  random_mat(w2, E * H, I, 1.0 / 11, 4);
-  slots.make(k * T, H);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
-  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
-  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
-  g.topk_weights = static_cast<const float*>(weights.view().data);
-  g.out0 = slots.dev.view().data;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
   run(g);
   const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
@@ -408,15 +414,7 @@ TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
 // same problem then runs to the right result on the same context.
 TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   Mat a, w2, slots;
-  random_pool(a, I, 3);
-  random_mat(w2, E * H, I, 1.0 / 11, 4);
-  slots.make(k * T, H);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
-  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
-  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
-  g.topk_weights = static_cast<const float*>(weights.view().data);
-  g.out0 = slots.dev.view().data;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
 
   // 50 ms; 5 s under compute-sanitizer, where the first loads alone can take
   // longer than 50 ms.

@@ -66,6 +66,14 @@ __device__ __forceinline__ bool claim_report(const DeviceErrorSink& sink) {
   return sink.claim != nullptr && atomicCAS(sink.claim, 0u, 1u) == 0u;
 }
 
+// Makes a filled-in report visible to the host: its fields first, then its kind
+// (the host reads the kind, then the fields).
+__device__ __forceinline__ void publish_report(DeviceErrorReport* r, uint32_t kind) {
+  __threadfence_system();
+  r->kind = kind;
+  __threadfence_system();
+}
+
 __device__ __forceinline__ void report_timeout(const DeviceErrorSink& sink, uint32_t kernel, uint32_t barrier,
                                                uint32_t phase, uint64_t waited_ns) {
   if (!claim_report(sink)) return;
@@ -75,9 +83,7 @@ __device__ __forceinline__ void report_timeout(const DeviceErrorSink& sink, uint
   r->barrier = barrier;
   r->phase = phase;
   r->waited_ns = waited_ns;
-  __threadfence_system();
-  r->kind = kDeviceErrorTimeout;
-  __threadfence_system();
+  publish_report(r, kDeviceErrorTimeout);
 }
 
 __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint64_t key, int64_t value,
@@ -90,9 +96,7 @@ __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint
   r->value = value;
   r->top_k = top_k;
   r->num_experts = num_experts;
-  __threadfence_system();
-  r->kind = kDeviceErrorRouting;
-  __threadfence_system();
+  publish_report(r, kDeviceErrorRouting);
 }
 #endif
 
