@@ -14,12 +14,18 @@ namespace megamoe::cuda::engine {
 
 // Warpgroup 0: the producer (one thread issues every TMA load); 1, 2: consumers.
 inline constexpr int kThreads = 384;
-// Registers per thread after the split (setmaxnreg): 40 x 128 + 232 x 256 fits
-// the 65536 of the SM; a consumer holds a 128 x 128 fp32 tile (128 per thread).
+// Registers: the kernel launches with kLaunchRegs per thread (the most
+// __launch_bounds__(384, 1) allows), and that pool of kLaunchRegs x 384 is all
+// setmaxnreg can share out: the producer gives some back (dec) and the
+// consumers take them (inc), which blocks for good if the pool cannot cover
+// it. So P x 128 + C x 256 must fit kLaunchRegs x 384 (not the SM's 65536).
+// A consumer holds a 128 x 128 fp32 tile (128 per thread).
+inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 inline constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
-static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= 65536, "register split exceeds the SM's file");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= kLaunchRegs * kThreads,
+              "register split exceeds the launch's pool");
 static_assert(kAccPerThread + 64 <= kConsumerRegs, "accumulators leave too few registers for the epilogue");
 static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
 

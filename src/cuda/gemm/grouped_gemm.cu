@@ -11,6 +11,7 @@
 // per mode). This file: the loads and the kernel that ties them together.
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <string>
 
 #include "cuda/gemm/grouped_gemm.h"
@@ -221,6 +222,21 @@ template <GemmMode M>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const KernelParams& params, int grid, cudaStream_t stream) {
   using Tr = ModeTraits<M>;
+  // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
+  // thread; a kernel built with fewer would block in setmaxnreg for good.
+  // Asked once per kernel (a failed query is asked again next time).
+  static std::atomic<int> known_regs{0};
+  int launch_regs = known_regs.load(std::memory_order_relaxed);
+  if (launch_regs == 0) {
+    cudaFuncAttributes a{};
+    const cudaError_t q = cudaFuncGetAttributes(&a, grouped_gemm_kernel<M>);
+    if (q != cudaSuccess) return cuda_status("grouped GEMM: reading the kernel's attributes", q);
+    launch_regs = a.numRegs;
+    known_regs.store(launch_regs, std::memory_order_relaxed);
+  }
+  if (launch_regs != kLaunchRegs)
+    return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
+                          " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
   cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Tr::kSmemBytes);
   if (err == cudaSuccess) {
