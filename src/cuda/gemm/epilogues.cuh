@@ -26,7 +26,16 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
   return box * kBoxBytes + r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2));
 }
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+// sigmoid through the approximate reciprocal (MUFU.RCP, ~1 ulp): the IEEE
+// division put a branch and a call around every element, which kept the
+// compiler from overlapping an epilogue's loads, math and stores. exp(-g)
+// overflowing to inf gives rcp(inf) = 0, the right limit.
+__device__ __forceinline__ float sigmoid_f(float g) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + __expf(-g)));
+  return r;
+}
+__device__ __forceinline__ float silu_f(float g) { return g * sigmoid_f(g); }
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // A consumer's tile is two wgmma accumulators, acc[h] for rows [64h, 64h + 64).
@@ -189,6 +198,7 @@ struct Epilogue<GemmMode::kDownGrad> {
     // read and the other consumer's main loop keeps its pipeline depth.
     auto* dz = static_cast<__nv_bfloat16*>(a.out0);
     auto* wa = static_cast<__nv_bfloat16*>(a.out1);
+    const uint32_t z_g = smem_u32(sm.z[0]), z_u = smem_u32(sm.z[1]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float w_row[2];
@@ -202,13 +212,13 @@ struct Epilogue<GemmMode::kDownGrad> {
       for (int i = 0; i < 64; i += 2) {
         const int row = acc_row(h, i), col = acc_col(i), q = (i >> 1) & 1;
         const uint32_t off = swizzled_offset(row, col);
-        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[0] + off);
-        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(sm.z[1] + off);
+        const __nv_bfloat162 g2 = *static_cast<const __nv_bfloat162*>(__cvta_shared_to_generic(z_g + off));
+        const __nv_bfloat162 u2 = *static_cast<const __nv_bfloat162*>(__cvta_shared_to_generic(z_u + off));
         float out_wa[2], out_dg[2], out_du[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float g = __bfloat162float(e ? g2.y : g2.x), u = __bfloat162float(e ? u2.y : u2.x);
-          const float sg = 1.0f / (1.0f + __expf(-g)), silu = g * sg;
+          const float sg = sigmoid_f(g), silu = g * sg;
           const float ga = acc[h][i + e], w = w_row[q];
           const float av = round_bf16(silu * u);
           dw[q] += ga * av;
