@@ -336,6 +336,10 @@ TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
   wa.make(C, I);
   const int64_t n_tiles = I / 128;
   DeviceTensor dw_partial(DType::kF32, {C, n_tiles});
+  // NaN everywhere first: an output element the epilogue does not write fails the comparison.
+  ASSERT_TRUE(dz.dev.fill_bytes(0xFF).ok());
+  ASSERT_TRUE(wa.dev.fill_bytes(0xFF).ok());
+  ASSERT_TRUE(dw_partial.fill_bytes(0xFF).ok());
   cuda::GroupedGemmArgs g;
   g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
   g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;

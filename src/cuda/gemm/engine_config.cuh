@@ -47,12 +47,15 @@ struct ModeTraits {
   static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
-  // kWeightGrad and kDownGrad write straight from registers: no staging.
+  // No staging buffer: kWeightGrad writes straight from registers, kDownGrad
+  // through its z stages (kTmaStores).
   static constexpr bool kStaged = M != GemmMode::kWeightGrad && M != GemmMode::kDownGrad;
   static constexpr int kStages = kStaged ? 4 : 6;
   // kDownGrad: after its k-blocks each tile takes two more ring stages that
   // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
   static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
+  // kDownGrad writes its outputs by TMA stores from those z stages.
+  static constexpr bool kTmaStores = M == GemmMode::kDownGrad;
   static constexpr int kStagingBytes = kStaged ? kBlockM * kStagingLd * 2 : 0;  // per consumer
   // Shared memory: [align pad][stages][staging x 2][full, empty, order mbarriers][tile_src: 2 x 128 x int32]
   // [abort flag: u32, padded to 16 bytes]

@@ -16,16 +16,6 @@ namespace megamoe::cuda::engine {
 
 using namespace ptx;
 
-// Byte offset of element (row, col) of a 128 x 128 bf16 tile stored as four
-// 128B-swizzled 64 x 64 boxes, box (row half rh, column half ch) at byte
-// (2 rh + ch) * 8 KB (a kDownGrad z stage): within each 8-row atom,
-// 16-byte chunk j of row r sits at chunk j ^ (r % 8).
-__device__ __forceinline__ uint32_t swizzled_offset(int row, int col) {
-  const int r = row & 63, c = col & 63;
-  const int box = (row >> 6) * 2 + (col >> 6);
-  return box * kBoxBytes + r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) * 2));
-}
-
 // sigmoid through the approximate reciprocal (MUFU.RCP, ~1 ulp): the IEEE
 // division put a branch and a call around every element, which kept the
 // compiler from overlapping an epilogue's loads, math and stores. exp(-g)
@@ -45,6 +35,30 @@ __device__ __forceinline__ int acc_row(int h, int i) {
   return h * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
 }
 __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
+
+// Where this thread's accumulator pair (h, i) (elements i and i + 1 of acc[h]:
+// row acc_row(h, i), columns acc_col(i) and + 1) sits in a 128 x 128 bf16 tile
+// stored as four 128B-swizzled 64 x 64 boxes, box (row half rh, column half
+// ch) at byte (2 rh + ch) * 8 KB, as TMA lays out a kDownGrad z stage. In a
+// box, row r is the 128 bytes at r * 128 and its 16-byte chunk j sits at chunk
+// j ^ (r % 8). For the pair: rh = h, ch = i / 32, r = 16 warp + lane / 4 +
+// 8 ((i / 2) % 2), so r % 8 = lane / 4; j = (i / 4) % 8; byte 4 (lane % 4) of
+// the chunk. The offset is thus a part fixed per thread, plus one fixed per
+// (h, i), plus the chunk XOR-ed with lane / 4: two registers, not one offset
+// per pair. The lane id is read fresh (lane_id) so that two passes over a
+// tile do not share, and keep alive, each other's offsets.
+struct AccPlaces {
+  uint32_t thread_part, chunk_xor;
+  __device__ __forceinline__ AccPlaces() {
+    const uint32_t lane = lane_id(), warp = (threadIdx.x >> 5) & 3;
+    thread_part = (warp * 16 + lane / 4) * 128 + 4 * (lane % 4);
+    chunk_xor = (lane / 4) << 4;
+  }
+  __device__ __forceinline__ uint32_t operator()(int h, int i) const {
+    return thread_part + (2 * h + i / 32) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 +
+           ((((i >> 2) & 7) << 4) ^ chunk_xor);
+  }
+};
 
 // Accumulator elements i and i + 1 are adjacent columns of one row: stage them
 // as one bf16x2 word.
@@ -69,12 +83,14 @@ __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int 
 // Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
 
-// Shared memory one consumer's epilogue works in.
-struct EpilogueSmem {
+// What one consumer's epilogue works with besides the accumulators: its
+// shared memory and the tensor maps its TMA stores write through.
+struct EpilogueContext {
   __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (none for kWeightGrad, kDownGrad)
   int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
-  const uint8_t* z[2];     // kDownGrad: the g and u stages (swizzled boxes)
-  uint64_t* z_empty[2];    // kDownGrad: their empty barriers (released once read)
+  uint8_t* z[2];           // kDownGrad: the g and u stages (swizzled boxes), reused for its outputs
+  uint64_t* z_empty[2];    // kDownGrad: their empty barriers (released once stored from)
+  const CUtensorMap* out_map[2];  // kDownGrad: dz [C, 2I] and wa [C, I] (64 x 64 boxes, 128B swizzle)
 };
 
 // What every epilogue starts with: the barrier after which the previous
@@ -83,7 +99,7 @@ struct EpilogueSmem {
 // copy-out loop then reads shared memory, not a dependent global load per
 // 16-byte store.
 template <bool kSlots>
-__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueSmem& sm) {
+__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm) {
   const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
   int32_t my_src = 0;
   if (kSlots && tid < kBlockM) my_src = plan.row_src[pool_row0 + tid];
@@ -98,7 +114,7 @@ struct Epilogue;
 template <>
 struct Epilogue<GemmMode::kGateUp> {
   __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueSmem& sm) const {
+                                             const EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
@@ -139,7 +155,7 @@ struct Epilogue<GemmMode::kGateUp> {
 template <GemmMode M>
 struct SlotEpilogue {
   __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueSmem& sm) const {
+                                             const EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
@@ -180,25 +196,33 @@ template <>
 struct Epilogue<GemmMode::kGateUpGrad> : SlotEpilogue<GemmMode::kGateUpGrad> {};
 
 // kDownGrad: from ga and the saved z, the SwiGLU backward, the dW2 operand and d topk_w partials.
+//   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
+//   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand),
+// with acc = ga for a-columns 128n + c and (g, u) from the saved z, which the
+// producer brought into two ring stages (g, then u; each four 64 x 64
+// swizzled boxes, box b = rows 64 (b / 2) .., columns 64 (b % 2) ..).
+//
+// The outputs leave by TMA stores from those same stages, so whole 128-byte
+// lines reach L2 (4-byte stores from registers half-filled 32-byte sectors
+// and doubled the kernel's L2 store requests). A thread overwrites only the
+// g and u elements it has itself just read, at the same swizzled place, so
+// one box store writes the matching output box. Three outputs, two stages:
+//   rows 0-63   (h = 0): dz_g -> g,  dz_u -> u,  wa   -> registers
+//   rows 64-127 (h = 1): dz_g -> g,  wa   -> u,  dz_u -> registers
+// then, once the first stores have read the g stage, the registers go to it:
+//   wa rows 0-63 -> g boxes 0, 1;  dz_u rows 64-127 -> g boxes 2, 3.
 template <>
 struct Epilogue<GemmMode::kDownGrad> {
   __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueSmem& sm) const {
+                                             const EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
-    const int64_t I = a.intermediate;
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
     begin_epilogue<false>(plan, pool_row0, sm);
-    // acc = ga for a-columns 128n + c. With (g, u) from the saved z (in the
-    // two z stages):
-    //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
-    //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand).
-    // Outputs go straight from registers (a quad writes 16 contiguous bytes
-    // of a row), so the z stages return to the producer as soon as they are
-    // read and the other consumer's main loop keeps its pipeline depth.
-    auto* dz = static_cast<__nv_bfloat16*>(a.out0);
-    auto* wa = static_cast<__nv_bfloat16*>(a.out1);
     const uint32_t z_g = smem_u32(sm.z[0]), z_u = smem_u32(sm.z[1]);
+    auto at = [](uint32_t addr) { return static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(addr)); };
+    uint32_t held[2][32];  // bf16x2 per accumulator pair (i, i + 1): wa of h = 0, dz_u of h = 1
+    const AccPlaces place;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float w_row[2];
@@ -210,10 +234,9 @@ struct Epilogue<GemmMode::kDownGrad> {
       float dw[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 64; i += 2) {
-        const int row = acc_row(h, i), col = acc_col(i), q = (i >> 1) & 1;
-        const uint32_t off = swizzled_offset(row, col);
-        const __nv_bfloat162 g2 = *static_cast<const __nv_bfloat162*>(__cvta_shared_to_generic(z_g + off));
-        const __nv_bfloat162 u2 = *static_cast<const __nv_bfloat162*>(__cvta_shared_to_generic(z_u + off));
+        const int q = (i >> 1) & 1;
+        const uint32_t off = place(h, i);
+        const __nv_bfloat162 g2 = *at(z_g + off), u2 = *at(z_u + off);
         float out_wa[2], out_dg[2], out_du[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -226,10 +249,11 @@ struct Epilogue<GemmMode::kDownGrad> {
           out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
           out_du[e] = (w * ga) * silu;
         }
-        const int64_t prow = pool_row0 + row, c = static_cast<int64_t>(tile.n) * kBlockN + col;
-        *reinterpret_cast<__nv_bfloat162*>(wa + prow * I + c) = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
-        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + c) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
-        *reinterpret_cast<__nv_bfloat162*>(dz + prow * 2 * I + I + c) = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        const __nv_bfloat162 wa2 = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+        const __nv_bfloat162 du2 = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        *at(z_g + off) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+        *at(z_u + off) = h == 0 ? du2 : wa2;
+        held[h][i / 2] = *reinterpret_cast<const uint32_t*>(h == 0 ? &wa2 : &du2);
       }
       // Row sums over this thread's columns, then over the quad: fixed order.
 #pragma unroll
@@ -239,10 +263,38 @@ struct Epilogue<GemmMode::kDownGrad> {
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
     }
-    __syncwarp();  // every lane of this warp has read its z elements
-    if ((threadIdx.x & 31) == 0) {
-      mbar_arrive(sm.z_empty[0]);
-      mbar_arrive(sm.z_empty[1]);
+    const int I = static_cast<int>(a.intermediate);
+    const int row0 = tile.m * kBlockM, col0 = tile.n * kBlockN;
+    const CUtensorMap *dz_map = sm.out_map[0], *wa_map = sm.out_map[1];
+    const bool storer = (threadIdx.x & 127) == 0;
+    fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
+    consumer_sync();
+    if (storer) {
+      for (int b = 0; b < 4; ++b) {
+        const int col = col0 + (b & 1) * 64, row = row0 + (b >> 1) * 64;
+        tma_store_2d(dz_map, sm.z[0] + b * kBoxBytes, col, row);  // dz_g
+        tma_store_2d(b < 2 ? dz_map : wa_map, sm.z[1] + b * kBoxBytes, b < 2 ? I + col : col, row);  // dz_u | wa
+      }
+      bulk_commit_group();
+      bulk_wait_group_read<0>();
+      mbar_arrive(sm.z_empty[1], 4);  // the u stage is free (one arrival for each of the 4 warps)
+    }
+    consumer_sync();  // the g stage has been read: the held outputs may overwrite it
+    const AccPlaces place2;  // the same places, offsets rebuilt (see AccPlaces)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)  // held[h]: rows 64h.. (g boxes 2h, 2h + 1)
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) *reinterpret_cast<uint32_t*>(at(z_g + place2(h, i))) = held[h][i / 2];
+    fence_proxy_async_shared();
+    consumer_sync();
+    if (storer) {
+      for (int b = 0; b < 4; ++b) {
+        const int col = col0 + (b & 1) * 64, row = row0 + (b >> 1) * 64;
+        tma_store_2d(b < 2 ? wa_map : dz_map, sm.z[0] + b * kBoxBytes, b < 2 ? col : I + col, row);  // wa | dz_u
+      }
+      bulk_commit_group();
+      bulk_wait_group_read<0>();
+      mbar_arrive(sm.z_empty[0], 4);
     }
   }
 };
@@ -251,7 +303,7 @@ struct Epilogue<GemmMode::kDownGrad> {
 template <>
 struct Epilogue<GemmMode::kWeightGrad> {
   __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueSmem& sm) const {
+                                             const EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;

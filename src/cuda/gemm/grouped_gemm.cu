@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/common/cuda_status.h"
@@ -73,7 +74,8 @@ __device__ __forceinline__ void load_z_stage(const KernelParams& p, const CUtens
 template <GemmMode M>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                        const __grid_constant__ CUtensorMap map_z, const __grid_constant__ KernelParams p) {
+                        const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
+                        const __grid_constant__ CUtensorMap map_out1, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
   constexpr int S = Tr::kStages;
   using State = PipelineState<S>;
@@ -144,8 +146,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  const EpilogueSmem sm_base{reinterpret_cast<__nv_bfloat16*>(staging_base + cw * Tr::kStagingBytes),
-                             tile_src_base + cw * kBlockM, {nullptr, nullptr}, {nullptr, nullptr}};
+  const EpilogueContext sm_base{reinterpret_cast<__nv_bfloat16*>(staging_base + cw * Tr::kStagingBytes),
+                                tile_src_base + cw * kBlockM,
+                                {nullptr, nullptr},
+                                {nullptr, nullptr},
+                                {&map_out0, &map_out1}};
   State ps;
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
@@ -203,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc[0]);
     fence_accumulators(acc[1]);
     if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&ring.empty[ps.previous_stage()]);
-    EpilogueSmem sm = sm_base;
+    EpilogueContext sm = sm_base;
 #pragma unroll
     for (int half = 0; half < Tr::kZStages; ++half) {
       const State z = ps.ahead(half);
@@ -215,12 +220,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     Epilogue<M>{}(p, tile, acc, sm);
     ps.advance(Tr::kZStages);
   }
+  // An epilogue's TMA stores have left shared memory; let them land before the kernel ends.
+  if constexpr (Tr::kTmaStores) bulk_wait_group<0>();
 }
 
 
 template <GemmMode M>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
-                   const KernelParams& params, int grid, cudaStream_t stream) {
+                   const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int grid,
+                   cudaStream_t stream) {
   using Tr = ModeTraits<M>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
@@ -240,7 +248,8 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Tr::kSmemBytes);
   if (err == cudaSuccess) {
-    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, map_z, params);
+    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, map_z, map_out0, map_out1,
+                                                                         params);
     err = cudaGetLastError();
   }
   return cuda_status("grouped GEMM launch", err);
@@ -262,16 +271,25 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   CUtensorMap map_a, map_b;
   MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
   MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
-  CUtensorMap map_z = map_a;  // read only by kDownGrad: the saved z pool [C, 2I]
-  if (args.mode == GemmMode::kDownGrad)
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * args.intermediate, &map_z));
+  // kDownGrad only: it reads the saved z pool [C, 2I] and writes dz [C, 2I]
+  // and wa [C, I] by TMA (the other modes never touch these three maps).
+  CUtensorMap map_z = map_a, map_dz = map_a, map_wa = map_a;
+  if (args.mode == GemmMode::kDownGrad) {
+    const int64_t I = args.intermediate;
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * I, &map_z));
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, 2 * I, &map_dz));
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out1, args.a_rows, I, &map_wa));
+  }
   const int grid = num_sms;
+  auto launch = [&](auto mode) {
+    return launch_mode<decltype(mode)::value>(map_a, map_b, map_z, map_dz, map_wa, p, grid, stream);
+  };
   switch (args.mode) {
-    case GemmMode::kGateUp: return launch_mode<GemmMode::kGateUp>(map_a, map_b, map_z, p, grid, stream);
-    case GemmMode::kDown: return launch_mode<GemmMode::kDown>(map_a, map_b, map_z, p, grid, stream);
-    case GemmMode::kDownGrad: return launch_mode<GemmMode::kDownGrad>(map_a, map_b, map_z, p, grid, stream);
-    case GemmMode::kGateUpGrad: return launch_mode<GemmMode::kGateUpGrad>(map_a, map_b, map_z, p, grid, stream);
-    case GemmMode::kWeightGrad: return launch_mode<GemmMode::kWeightGrad>(map_a, map_b, map_z, p, grid, stream);
+    case GemmMode::kGateUp: return launch(std::integral_constant<GemmMode, GemmMode::kGateUp>{});
+    case GemmMode::kDown: return launch(std::integral_constant<GemmMode, GemmMode::kDown>{});
+    case GemmMode::kDownGrad: return launch(std::integral_constant<GemmMode, GemmMode::kDownGrad>{});
+    case GemmMode::kGateUpGrad: return launch(std::integral_constant<GemmMode, GemmMode::kGateUpGrad>{});
+    case GemmMode::kWeightGrad: return launch(std::integral_constant<GemmMode, GemmMode::kWeightGrad>{});
   }
   return internal_error("grouped GEMM: unknown mode");
 }
