@@ -35,7 +35,6 @@ struct Barrier {
 
 struct TileWork {
   int k_blocks;
-  int z_stages;  // kDownGrad: 2 more stages per tile, read in the epilogue
 };
 
 template <int S>
@@ -54,10 +53,9 @@ struct Cta {
   // Consumers.
   struct Consumer {
     size_t tile = 0;
-    int step = -1;  // -1: before the order wait; [0, k): main loop; [k, k + z): z stages; k + z: epilogue
+    int step = -1;  // -1: before the order wait; [0, k): main loop; k: epilogue
     int mine = 0;
     PipelineState<S> ps;
-    std::vector<int> z_held;  // z stages read, released in the epilogue
   } c[2];
 
   Cta() {
@@ -70,13 +68,13 @@ struct Cta {
 
   // One step of the producer; false when it is blocked or done.
   bool producer_step() {
-    while (p_tile < tiles.size() && tiles[p_tile].k_blocks + tiles[p_tile].z_stages == 0) ++p_tile;  // no loads
+    while (p_tile < tiles.size() && tiles[p_tile].k_blocks == 0) ++p_tile;  // no loads
     if (p_tile == tiles.size()) return false;
     const TileWork& t = tiles[p_tile];
     if (!empty[p_ps.stage()].try_wait(p_ps.empty_parity())) return false;
     in_flight.emplace_back(p_ps.stage(), p_ps.it);
     ++p_ps;
-    if (++p_step == t.k_blocks + t.z_stages) p_step = 0, ++p_tile;
+    if (++p_step == t.k_blocks) p_step = 0, ++p_tile;
     return true;
   }
 
@@ -104,7 +102,7 @@ struct Cta {
     Consumer& me = c[cw];
     // Skip the other consumer's tiles (the kernel walks them to keep `it` in step).
     while (me.tile < tiles.size() && static_cast<int>(me.tile & 1) != cw) {
-      me.ps.advance(static_cast<uint32_t>(tiles[me.tile].k_blocks + tiles[me.tile].z_stages));
+      me.ps.advance(static_cast<uint32_t>(tiles[me.tile].k_blocks));
       ++me.tile;
     }
     if (me.tile >= tiles.size()) return false;
@@ -123,18 +121,8 @@ struct Cta {
       if (me.step == t.k_blocks && t.k_blocks > 0) empty[me.ps.previous_stage()].arrive();
       return true;
     }
-    if (me.step < t.k_blocks + t.z_stages) {
-      const PipelineState<S> z = me.ps.ahead(static_cast<uint32_t>(me.step - t.k_blocks));
-      if (!read_stage(z, "z stage")) return false;
-      me.z_held.push_back(z.stage());
-      ++me.step;
-      return true;
-    }
-    // Epilogue: let the other consumer start its main loop, release the z stages, next tile.
+    // Epilogue: let the other consumer start its main loop, next tile.
     order[cw ^ 1].arrive();
-    for (int s : me.z_held) empty[s].arrive();
-    me.z_held.clear();
-    me.ps.advance(static_cast<uint32_t>(t.z_stages));
     me.step = -1;
     ++me.tile;
     return true;
@@ -161,25 +149,27 @@ struct Cta {
 };
 
 template <int S>
-std::vector<TileWork> random_tiles(std::mt19937& rng, bool z) {
+std::vector<TileWork> random_tiles(std::mt19937& rng) {
   std::vector<TileWork> tiles(rng() % 10);
-  for (TileWork& t : tiles) t = {static_cast<int>(rng() % (3 * S + 1)), z ? 2 : 0};
+  for (TileWork& t : tiles) t = {static_cast<int>(rng() % (3 * S + 1))};
   return tiles;
 }
 
 template <int S>
-void check_protocol(bool z) {
+void check_protocol() {
   for (uint32_t seed = 0; seed < 3000; ++seed) {
     std::mt19937 rng(seed);
     Cta<S> cta;
-    cta.tiles = random_tiles<S>(rng, z);
+    cta.tiles = random_tiles<S>(rng);
     ASSERT_TRUE(cta.run(rng)) << "deadlock, seed " << seed;
     ASSERT_EQ(cta.violation, "") << "seed " << seed;
   }
 }
 
-TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_protocol<4>(false); }
-TEST(PipelineProtocol, SixStagesWithZStagesEveryReadSeesItsOwnLoad) { check_protocol<6>(true); }
+// The ring depths the modes use (ModeTraits::kStages).
+TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_protocol<4>(); }
+TEST(PipelineProtocol, FiveStagesEveryReadSeesItsOwnLoad) { check_protocol<5>(); }
+TEST(PipelineProtocol, SixStagesEveryReadSeesItsOwnLoad) { check_protocol<6>(); }
 
 // Without the order barriers a consumer can poll a stage two phases ahead and
 // read an older load: the model must catch it on some interleaving.
@@ -189,7 +179,7 @@ TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
     std::mt19937 rng(seed);
     Cta<4> cta;
     cta.use_order = false;
-    cta.tiles = random_tiles<4>(rng, false);
+    cta.tiles = random_tiles<4>(rng);
     cta.run(rng);
     found += !cta.violation.empty();
   }
@@ -205,8 +195,6 @@ TEST(PipelineProtocol, StateArithmetic) {
   ps.advance(5);
   EXPECT_EQ(ps.stage(), 1);
   EXPECT_EQ(ps.parity(), 1u);
-  EXPECT_EQ(ps.ahead(3).stage(), 0);
-  EXPECT_EQ(ps.ahead(3).parity(), 0u);
   EXPECT_FALSE(order_must_wait(0, 0));
   EXPECT_TRUE(order_must_wait(1, 0));
   EXPECT_EQ(order_parity(1, 0), 0u);  // consumer 1's first tile: phase 0 of order[1]

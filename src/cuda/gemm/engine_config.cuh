@@ -35,6 +35,8 @@ inline constexpr int kBoxBytes = kBox * kBox * sizeof(Elem);  // one 128B-swizzl
 inline constexpr int kTileBytesA = kBlockM * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kTileBytesB = kBlockN * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+// kDownGrad's z chunk: 64 rows of a tile's g and u columns, four boxes.
+inline constexpr int kZChunkBytes = 4 * kBoxBytes;
 inline constexpr int kStagePad = 8;  // staging row padding (elements): fewer bank conflicts
 inline constexpr int kStagingLd = kBlockN + kStagePad;
 static_assert(kBlockK * sizeof(Elem) == 128, "a K-major box row must be one 128-byte swizzle row");
@@ -47,22 +49,21 @@ struct ModeTraits {
   static constexpr bool kAMnMajor = M == GemmMode::kWeightGrad;
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
-  // No staging buffer: kWeightGrad writes straight from registers, kDownGrad
-  // through its z stages (kTmaStores).
-  static constexpr bool kStaged = M != GemmMode::kWeightGrad && M != GemmMode::kDownGrad;
-  static constexpr int kStages = kStaged ? 4 : 6;
-  // kDownGrad: after its k-blocks each tile takes two more ring stages that
-  // bring the saved z (g, then u) of its 128 rows x 128 columns by TMA.
-  static constexpr int kZStages = M == GemmMode::kDownGrad ? 2 : 0;
-  // kDownGrad writes its outputs by TMA stores from those z stages.
-  static constexpr bool kTmaStores = M == GemmMode::kDownGrad;
-  static constexpr int kStagingBytes = kStaged ? kBlockM * kStagingLd * 2 : 0;  // per consumer
-  // Shared memory: [align pad][stages][staging x 2][full, empty, order mbarriers][tile_src: 2 x 128 x int32]
-  // [abort flag: u32, padded to 16 bytes]
+  // Each consumer has an epilogue buffer of its own: the bf16 staging tile of
+  // the modes that copy their output out in 16-byte rows (kStaged), or
+  // kDownGrad's z chunk, which TMA loads the saved z into and its outputs
+  // are stored from (kZChunks); kWeightGrad writes straight from registers.
+  static constexpr bool kStaged = M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kGateUpGrad;
+  static constexpr bool kZChunks = M == GemmMode::kDownGrad;
+  static constexpr int kEpilogueBytes = kStaged ? kBlockM * kStagingLd * 2 : kZChunks ? kZChunkBytes : 0;
+  static constexpr int kStages = kStaged ? 4 : kZChunks ? 5 : 6;
+  // Shared memory: [align pad][stages][epilogue buffer x 2][mbarriers: full, empty (kStages each), order [2],
+  // z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
+  static constexpr int kBarriers = 2 * kStages + 4;
   static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + 2 * kStagingBytes + (2 * kStages + 2) * 8 + 2 * kBlockM * 4 + 16;
+      1024 + kStages * kStageBytes + 2 * kEpilogueBytes + kBarriers * 8 + 2 * kBlockM * 4 + 16;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the 227 KB an H100/H200 CTA may use");
-  static_assert(kZStages == 0 || 4 * kBoxBytes <= kStageBytes, "a z stage (4 boxes) must fit one ring stage");
+  static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
 
 // The KernelId a timed-out wait of mode M reports.

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/gemm/engine_config.cuh"
+#include "cuda/gemm/pipeline.cuh"
 #include "cuda/gemm/tile_scheduler.cuh"
 #include "cuda/ptx/sm90.cuh"
 
@@ -37,28 +38,28 @@ __device__ __forceinline__ int acc_row(int h, int i) {
 __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
 
 // Where this thread's accumulator pair (h, i) (elements i and i + 1 of acc[h]:
-// row acc_row(h, i), columns acc_col(i) and + 1) sits in a 128 x 128 bf16 tile
-// stored as four 128B-swizzled 64 x 64 boxes, box (row half rh, column half
-// ch) at byte (2 rh + ch) * 8 KB, as TMA lays out a kDownGrad z stage. In a
-// box, row r is the 128 bytes at r * 128 and its 16-byte chunk j sits at chunk
-// j ^ (r % 8). For the pair: rh = h, ch = i / 32, r = 16 warp + lane / 4 +
-// 8 ((i / 2) % 2), so r % 8 = lane / 4; j = (i / 4) % 8; byte 4 (lane % 4) of
-// the chunk. The offset is thus a part fixed per thread, plus one fixed per
-// (h, i), plus the chunk XOR-ed with lane / 4: two registers, not one offset
-// per pair. The lane id is read fresh (lane_id) so that two passes over a
-// tile do not share, and keep alive, each other's offsets.
-struct AccPlaces {
+// row acc_row(h, i), columns acc_col(i) and + 1) sits in its row half of the
+// tile, stored as two 128B-swizzled 64 x 64 boxes (column half ch at byte
+// ch * 8 KB) as TMA lays out kDownGrad's z chunk. In a box, row r is the 128
+// bytes at r * 128 and its 16-byte chunk j sits at chunk j ^ (r % 8). For
+// the pair: ch = i / 32, r = 16 warp + lane / 4 + 8 ((i / 2) % 2), so
+// r % 8 = lane / 4; j = (i / 4) % 8; byte 4 (lane % 4) of the chunk. The
+// offset is thus a part fixed per thread, plus one fixed per i, plus the
+// chunk XOR-ed with lane / 4: two registers, not one offset per pair. The
+// lane id is read fresh (lane_id) so that two passes over a chunk do not
+// share, and keep alive, each other's offsets.
+struct HalfTilePlaces {
   uint32_t thread_part, chunk_xor;
-  __device__ __forceinline__ AccPlaces() {
+  __device__ __forceinline__ HalfTilePlaces() {
     const uint32_t lane = lane_id(), warp = (threadIdx.x >> 5) & 3;
     thread_part = (warp * 16 + lane / 4) * 128 + 4 * (lane % 4);
     chunk_xor = (lane / 4) << 4;
   }
-  __device__ __forceinline__ uint32_t operator()(int h, int i) const {
-    return thread_part + (2 * h + i / 32) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 +
-           ((((i >> 2) & 7) << 4) ^ chunk_xor);
+  __device__ __forceinline__ uint32_t operator()(int i) const {
+    return thread_part + (i / 32) * kBoxBytes + ((i >> 1) & 1) * 8 * 128 + ((((i >> 2) & 7) << 4) ^ chunk_xor);
   }
 };
+
 
 // Accumulator elements i and i + 1 are adjacent columns of one row: stage them
 // as one bf16x2 word.
@@ -83,14 +84,17 @@ __device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int 
 // Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
 
-// What one consumer's epilogue works with besides the accumulators: its
-// shared memory and the tensor maps its TMA stores write through.
+// What one consumer's epilogue works with besides the accumulators. Its own
+// buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
 struct EpilogueContext {
-  __nv_bfloat16* staging;  // [128][kStagingLd] bf16 (none for kWeightGrad, kDownGrad)
+  __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16
   int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
-  uint8_t* z[2];           // kDownGrad: the g and u stages (swizzled boxes), reused for its outputs
-  uint64_t* z_empty[2];    // kDownGrad: their empty barriers (released once stored from)
-  const CUtensorMap* out_map[2];  // kDownGrad: dz [C, 2I] and wa [C, I] (64 x 64 boxes, 128B swizzle)
+  uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
+  uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
+  uint32_t z_waits;        // kDownGrad: chunks waited for so far (z_full's phase)
+  const BoundedWait* waits;
+  const CUtensorMap* z_map;       // kDownGrad: the saved z [C, 2I]
+  const CUtensorMap* out_map[2];  // kDownGrad: dz [C, 2I] and wa [C, I]
 };
 
 // What every epilogue starts with: the barrier after which the previous
@@ -113,8 +117,8 @@ struct Epilogue;
 // kGateUp: z (keep) and a = silu(g) u, both bf16, to the pools.
 template <>
 struct Epilogue<GemmMode::kGateUp> {
-  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueContext& sm) const {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
@@ -148,14 +152,15 @@ struct Epilogue<GemmMode::kGateUp> {
       consumer_sync();
       copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
     }
+    return true;
   }
 };
 
 // kDown (weighted expert output) and kGateUpGrad (dx part): rows to the source token's slot [j, t].
 template <GemmMode M>
 struct SlotEpilogue {
-  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueContext& sm) const {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
@@ -188,6 +193,7 @@ struct SlotEpilogue {
       const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
       return slots + slot_row * N + tile.n * kBlockN + cc * 8;
     });
+    return true;
   }
 };
 template <>
@@ -198,44 +204,57 @@ struct Epilogue<GemmMode::kGateUpGrad> : SlotEpilogue<GemmMode::kGateUpGrad> {};
 // kDownGrad: from ga and the saved z, the SwiGLU backward, the dW2 operand and d topk_w partials.
 //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
 //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand),
-// with acc = ga for a-columns 128n + c and (g, u) from the saved z, which the
-// producer brought into two ring stages (g, then u; each four 64 x 64
-// swizzled boxes, box b = rows 64 (b / 2) .., columns 64 (b % 2) ..).
+// with acc = ga for a-columns 128n + c.
 //
-// The outputs leave by TMA stores from those same stages, so whole 128-byte
-// lines reach L2 (4-byte stores from registers half-filled 32-byte sectors
-// and doubled the kernel's L2 store requests). A thread overwrites only the
-// g and u elements it has itself just read, at the same swizzled place, so
-// one box store writes the matching output box. Three outputs, two stages:
-//   rows 0-63   (h = 0): dz_g -> g,  dz_u -> u,  wa   -> registers
-//   rows 64-127 (h = 1): dz_g -> g,  wa   -> u,  dz_u -> registers
-// then, once the first stores have read the g stage, the registers go to it:
-//   wa rows 0-63 -> g boxes 0, 1;  dz_u rows 64-127 -> g boxes 2, 3.
+// The saved z comes through the consumer's own 32 KB buffer, not the ring (z
+// in ring stages stalled the producer: the ring is FIFO, so while an
+// epilogue held them the other consumer's main loop starved). A row half h
+// of the tile at a time, "chunk" h: its g and u columns as four boxes. A TMA
+// load brings the chunk, the thread overwrites each g and u element it reads
+// with dz_g and dz_u at the same swizzled place, TMA stores send them out as
+// whole lines, then wa (held in registers meanwhile) goes through the g part
+// the same way. Chunk 1 loads once chunk 0 has left; the next tile's chunk 0
+// loads after the epilogue (the kernel issues it).
+__device__ __forceinline__ void load_z_chunk(const KernelParams& p, const EpilogueContext& ctx, const Tile& tile,
+                                             int h) {
+  const int I = static_cast<int>(p.args.intermediate);
+  const int row = tile.m * kBlockM + h * 64;
+  mbar_arrive_expect_tx(ctx.z_full, kZChunkBytes);
+  for (int b = 0; b < 4; ++b)  // b: g (0, 1) or u (2, 3), column half b % 2
+    tma_load_2d(ctx.z_chunk + b * kBoxBytes, ctx.z_map, ctx.z_full,
+                (b < 2 ? 0 : I) + tile.n * kBlockN + (b & 1) * 64, row);
+}
+
 template <>
 struct Epilogue<GemmMode::kDownGrad> {
-  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueContext& sm) const {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& ctx) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
+    const int I = static_cast<int>(a.intermediate);
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-    begin_epilogue<false>(plan, pool_row0, sm);
-    const uint32_t z_g = smem_u32(sm.z[0]), z_u = smem_u32(sm.z[1]);
+    const int col0 = tile.n * kBlockN;
+    const uint32_t z_g = smem_u32(ctx.z_chunk), z_u = z_g + 2 * kBoxBytes;
+    const bool storer = (threadIdx.x & 127) == 0;
     auto at = [](uint32_t addr) { return static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(addr)); };
-    uint32_t held[2][32];  // bf16x2 per accumulator pair (i, i + 1): wa of h = 0, dz_u of h = 1
-    const AccPlaces place;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const int row = static_cast<int>(pool_row0) + h * 64;
       float w_row[2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
         w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
       }
+      if (!ctx.waits->wait(ctx.z_full, ctx.z_waits & 1u, kBarrierFull, ctx.z_waits)) return false;
+      ++ctx.z_waits;
       float dw[2] = {0.0f, 0.0f};
+      uint32_t wa_held[32];  // bf16x2 of wa per accumulator pair (i, i + 1)
+      const HalfTilePlaces place;
 #pragma unroll
       for (int i = 0; i < 64; i += 2) {
         const int q = (i >> 1) & 1;
-        const uint32_t off = place(h, i);
+        const uint32_t off = place(i);
         const __nv_bfloat162 g2 = *at(z_g + off), u2 = *at(z_u + off);
         float out_wa[2], out_dg[2], out_du[2];
 #pragma unroll
@@ -249,11 +268,10 @@ struct Epilogue<GemmMode::kDownGrad> {
           out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
           out_du[e] = (w * ga) * silu;
         }
-        const __nv_bfloat162 wa2 = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
-        const __nv_bfloat162 du2 = __floats2bfloat162_rn(out_du[0], out_du[1]);
         *at(z_g + off) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
-        *at(z_u + off) = h == 0 ? du2 : wa2;
-        held[h][i / 2] = *reinterpret_cast<const uint32_t*>(h == 0 ? &wa2 : &du2);
+        *at(z_u + off) = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        const __nv_bfloat162 wa2 = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
+        wa_held[i / 2] = *reinterpret_cast<const uint32_t*>(&wa2);
       }
       // Row sums over this thread's columns, then over the quad: fixed order.
 #pragma unroll
@@ -262,48 +280,38 @@ struct Epilogue<GemmMode::kDownGrad> {
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
-    }
-    const int I = static_cast<int>(a.intermediate);
-    const int row0 = tile.m * kBlockM, col0 = tile.n * kBlockN;
-    const CUtensorMap *dz_map = sm.out_map[0], *wa_map = sm.out_map[1];
-    const bool storer = (threadIdx.x & 127) == 0;
-    fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
-    consumer_sync();
-    if (storer) {
-      for (int b = 0; b < 4; ++b) {
-        const int col = col0 + (b & 1) * 64, row = row0 + (b >> 1) * 64;
-        tma_store_2d(dz_map, sm.z[0] + b * kBoxBytes, col, row);  // dz_g
-        tma_store_2d(b < 2 ? dz_map : wa_map, sm.z[1] + b * kBoxBytes, b < 2 ? I + col : col, row);  // dz_u | wa
+      fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
+      consumer_sync();
+      if (storer) {
+        for (int c = 0; c < 2; ++c) {
+          tma_store_2d(ctx.out_map[0], ctx.z_chunk + c * kBoxBytes, col0 + c * 64, row);                // dz_g
+          tma_store_2d(ctx.out_map[0], ctx.z_chunk + (2 + c) * kBoxBytes, I + col0 + c * 64, row);      // dz_u
+        }
+        bulk_commit_group();
+        bulk_wait_group_read<0>();
       }
-      bulk_commit_group();
-      bulk_wait_group_read<0>();
-      mbar_arrive(sm.z_empty[1], 4);  // the u stage is free (one arrival for each of the 4 warps)
-    }
-    consumer_sync();  // the g stage has been read: the held outputs may overwrite it
-    const AccPlaces place2;  // the same places, offsets rebuilt (see AccPlaces)
+      consumer_sync();  // dz has been read out: wa may overwrite the g part
+      const HalfTilePlaces place2;  // the same places, offsets rebuilt (see HalfTilePlaces)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)  // held[h]: rows 64h.. (g boxes 2h, 2h + 1)
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) *reinterpret_cast<uint32_t*>(at(z_g + place2(h, i))) = held[h][i / 2];
-    fence_proxy_async_shared();
-    consumer_sync();
-    if (storer) {
-      for (int b = 0; b < 4; ++b) {
-        const int col = col0 + (b & 1) * 64, row = row0 + (b >> 1) * 64;
-        tma_store_2d(b < 2 ? wa_map : dz_map, sm.z[0] + b * kBoxBytes, b < 2 ? col : I + col, row);  // wa | dz_u
+      for (int i = 0; i < 64; i += 2) *reinterpret_cast<uint32_t*>(at(z_g + place2(i))) = wa_held[i / 2];
+      fence_proxy_async_shared();
+      consumer_sync();
+      if (storer) {
+        for (int c = 0; c < 2; ++c) tma_store_2d(ctx.out_map[1], ctx.z_chunk + c * kBoxBytes, col0 + c * 64, row);
+        bulk_commit_group();
+        bulk_wait_group_read<0>();
+        if (h == 0) load_z_chunk(p, ctx, tile, 1);  // the buffer is free: the second row half comes in
       }
-      bulk_commit_group();
-      bulk_wait_group_read<0>();
-      mbar_arrive(sm.z_empty[0], 4);
     }
+    return true;
   }
 };
 
 // kWeightGrad: dW[e][128m + r][128n + c], straight from registers.
 template <>
 struct Epilogue<GemmMode::kWeightGrad> {
-  __device__ __forceinline__ void operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             const EpilogueContext& sm) const {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
@@ -331,6 +339,7 @@ struct Epilogue<GemmMode::kWeightGrad> {
               __floats2bfloat162_rn(v.x, v.y);
         }
       }
+    return true;
   }
 };
 

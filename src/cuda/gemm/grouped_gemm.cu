@@ -61,16 +61,6 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
-// The z tile of a kDownGrad tile: stage 0 holds g (columns 128n..), stage 1
-// u (columns I + 128n..), each as four 64 x 64 boxes, box (row half rh,
-// column half ch) at byte (2 rh + ch) * 8 KB.
-__device__ __forceinline__ void load_z_stage(const KernelParams& p, const CUtensorMap* map_z, const Tile& tile,
-                                             int half, uint8_t* stage, uint64_t* full) {
-  const int col0 = (half == 0 ? 0 : static_cast<int>(p.args.intermediate)) + tile.n * kBlockN;
-  for (int box = 0; box < 4; ++box)
-    tma_load_2d(stage + box * kBoxBytes, map_z, full, col0 + (box & 1) * 64, tile.m * kBlockM + (box >> 1) * 64);
-}
-
 template <GemmMode M>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -82,11 +72,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* staging_base = smem + S * kStageBytes;
-  auto* barriers = reinterpret_cast<uint64_t*>(staging_base + 2 * Tr::kStagingBytes);
+  uint8_t* epilogue_base = smem + S * kStageBytes;  // [2][Tr::kEpilogueBytes], one per consumer
+  auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
-  auto* tile_src_base = reinterpret_cast<int32_t*>(barriers + 2 * S + 2);
+  uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
+  auto* tile_src_base = reinterpret_cast<int32_t*>(barriers + Tr::kBarriers);
   // Set by the first thread whose wait gives up; the others then give up too.
   auto* abort_flag = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
   const BoundedWait waits{p.args.errors, abort_flag, kernel_id<M>()};
@@ -98,8 +89,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&ring.full[s], 1);
       mbar_init(&ring.empty[s], 4);  // one arrival per warp of the consumer that owns the stage's tile
     }
-    mbar_init(&order.bar[0], 1);
-    mbar_init(&order.bar[1], 1);
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(&order.bar[c], 1);
+      mbar_init(&z_full[c], 1);
+    }
     *abort_flag = 0u;
     fence_barrier_init();
   }
@@ -115,7 +108,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      if constexpr (Tr::kZStages > 0) tma_prefetch_descriptor(&map_z);
       State ps;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = scheduler.tile(t);
@@ -126,13 +118,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive_expect_tx(full, kStageBytes);
           uint8_t* stage = smem + ps.stage() * kStageBytes;
           load_stage<M>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full);
-        }
-        for (int half = 0; half < Tr::kZStages; ++half, ++ps) {
-          if (static_cast<int64_t>(ps.it) == stall_at) return;
-          if (!ring.wait_empty(waits, ps)) return;
-          uint64_t* full = &ring.full[ps.stage()];
-          mbar_arrive_expect_tx(full, kStageBytes);
-          load_z_stage(p, &map_z, tile, half, smem + ps.stage() * kStageBytes, full);
         }
       }
     }
@@ -146,18 +131,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  const EpilogueContext sm_base{reinterpret_cast<__nv_bfloat16*>(staging_base + cw * Tr::kStagingBytes),
-                                tile_src_base + cw * kBlockM,
-                                {nullptr, nullptr},
-                                {nullptr, nullptr},
-                                {&map_out0, &map_out1}};
+  uint8_t* my_buffer = epilogue_base + cw * Tr::kEpilogueBytes;
+  EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
+                      tile_src_base + cw * kBlockM,
+                      my_buffer,
+                      &z_full[cw],
+                      0,
+                      &waits,
+                      &map_z,
+                      {&map_out0, &map_out1}};
+  // kDownGrad: the first z chunk of this consumer's first tile loads during its main loop.
+  if constexpr (Tr::kZChunks) {
+    const int first = blockIdx.x + cw * gridDim.x;
+    if (first < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(first), 0);
+  }
   State ps;
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
   for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++j) {
     const Tile tile = scheduler.tile(t);
     if ((j & 1) != cw) {
-      ps.advance(tile.k_blocks + Tr::kZStages);
+      ps.advance(tile.k_blocks);
       continue;
     }
     if (!order.wait_turn(waits, cw, mine, ps.it)) return;
@@ -208,22 +202,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc[0]);
     fence_accumulators(acc[1]);
     if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&ring.empty[ps.previous_stage()]);
-    EpilogueContext sm = sm_base;
-#pragma unroll
-    for (int half = 0; half < Tr::kZStages; ++half) {
-      const State z = ps.ahead(half);
-      if (!ring.wait_full(waits, z)) return;
-      sm.z[half] = smem + z.stage() * kStageBytes;
-      sm.z_empty[half] = &ring.empty[z.stage()];  // the epilogue releases the stage once it has read it
-    }
     if ((threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
-    Epilogue<M>{}(p, tile, acc, sm);
-    ps.advance(Tr::kZStages);
+    if (!Epilogue<M>{}(p, tile, acc, ctx)) return;
+    // kDownGrad: the buffer is free again (the storer, this same thread, saw
+    // the last TMA store read it); the next tile's first z chunk loads now.
+    if constexpr (Tr::kZChunks) {
+      const int next = t + 2 * static_cast<int>(gridDim.x);
+      if (next < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(next), 0);
+    }
   }
   // An epilogue's TMA stores have left shared memory; let them land before the kernel ends.
-  if constexpr (Tr::kTmaStores) bulk_wait_group<0>();
+  if constexpr (Tr::kZChunks) bulk_wait_group<0>();
 }
-
 
 template <GemmMode M>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,

@@ -26,7 +26,6 @@ struct PipelineState {
   MEGAMOE_HD uint32_t empty_parity() const { return parity() ^ 1; }
   // The slot of the iteration before this one (the stage a consumer gives back).
   MEGAMOE_HD int previous_stage() const { return static_cast<int>((it + kStages - 1) % kStages); }
-  MEGAMOE_HD PipelineState ahead(uint32_t n) const { return PipelineState{it + n}; }
   MEGAMOE_HD void advance(uint32_t n) { it += n; }
   MEGAMOE_HD PipelineState& operator++() {
     ++it;
