@@ -411,6 +411,71 @@ TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
   if (e_dg.rel > kDzRel) describe_mismatch(dg_g, dg_r, I);
 }
 
+// Pairs of CTAs sharing A by multicast (pair_ctas, the default where n_tiles
+// is even: every mode here) against the one-CTA path: the same bits. kDown
+// (slots), kDownGrad (z chunks, three outputs) and kWeightGrad (MN-major A).
+TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  run(g);
+  const auto paired = slots.download();
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  g.pair_ctas = false;
+  run(g);
+  EXPECT_EQ(slots.download(), paired) << "kDown";
+
+  Mat dy, z, dz, wa;
+  random_pool(dy, H, 9);
+  random_pool(z, 2 * I, 11);
+  dz.make(C, 2 * I);
+  wa.make(C, I);
+  DeviceTensor dw_partial(DType::kF32, {C, I / 128});
+  cuda::GroupedGemmArgs d;
+  d.mode = GemmMode::kDownGrad, d.plan = plan, d.n = I, d.k = H, d.intermediate = I;
+  d.a = dy.dev.view().data, d.a_rows = C, d.a_cols = H;
+  d.b = w2.dev.view().data, d.b_rows = E * H, d.b_cols = I;
+  d.topk_weights = static_cast<const float*>(weights.view().data);
+  d.z_pool = z.dev.view().data;
+  d.out0 = dz.dev.view().data, d.out1 = wa.dev.view().data;
+  d.dw_partial = static_cast<float*>(dw_partial.view().data);
+  run(d);
+  const auto dz1 = dz.download(), wa1 = wa.download();
+  HostTensor dwp1(DType::kF32, {C, I / 128}), dwp2(DType::kF32, {C, I / 128});
+  ASSERT_TRUE(dw_partial.download(&dwp1).ok());
+  ASSERT_TRUE(dz.dev.fill_bytes(0xFF).ok());
+  ASSERT_TRUE(wa.dev.fill_bytes(0xFF).ok());
+  d.pair_ctas = false;
+  run(d);
+  ASSERT_TRUE(dw_partial.download(&dwp2).ok());
+  // The pool's rows in use (those past pool_rows are never written).
+  auto used = [&](const std::vector<float>& v, int64_t cols) {
+    return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
+  };
+  EXPECT_EQ(used(dz.download(), 2 * I), used(dz1, 2 * I)) << "kDownGrad dz";
+  EXPECT_EQ(used(wa.download(), I), used(wa1, I)) << "kDownGrad wa";
+  int64_t dw_differ = 0;
+  for (int64_t r = 0; r < pool_rows; ++r)
+    for (int64_t n = 0; n < I / 128; ++n) dw_differ += dwp1.get(r * (I / 128) + n) != dwp2.get(r * (I / 128) + n);
+  EXPECT_EQ(dw_differ, 0) << "kDownGrad d topk_w partials";
+
+  DeviceTensor out(DType::kF32, {E, H, I});
+  cuda::GroupedGemmArgs w;
+  w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I;
+  w.a = dy.dev.view().data, w.a_rows = C, w.a_cols = H;
+  w.b = wa.dev.view().data, w.b_rows = C, w.b_cols = I;
+  w.out0 = out.view().data, w.out_f32 = true;
+  run(w);
+  HostTensor w1(DType::kF32, {E, H, I}), w2h(DType::kF32, {E, H, I});
+  ASSERT_TRUE(out.download(&w1).ok());
+  ASSERT_TRUE(out.fill_bytes(0xFF).ok());
+  w.pair_ctas = false;
+  run(w);
+  ASSERT_TRUE(out.download(&w2h).ok());
+  int64_t w_differ = 0;
+  for (int64_t i = 0; i < E * H * I; ++i) w_differ += w1.get(i) != w2h.get(i);
+  EXPECT_EQ(w_differ, 0) << "kWeightGrad";
+}
+
 // A producer that stops issuing loads (debug_stall_at) leaves a consumer
 // waiting on a full barrier that never completes. The wait gives up after
 // errors.timeout_ns, reports kernel, block, barrier and phase (the stage

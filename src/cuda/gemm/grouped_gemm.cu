@@ -11,6 +11,7 @@
 // per mode). This file: the loads and the kernel that ties them together.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <type_traits>
@@ -31,20 +32,24 @@ using namespace ptx;
 using namespace engine;
 
 // TMA loads of one k-block of a tile: A and B, each as two 64 x 64 boxes.
-template <GemmMode M>
+// kPair: the two CTAs of a cluster compute tiles with the same A rows (n and
+// n + 1), so CTA `rank` loads A box `rank` only and multicasts it to both.
+template <GemmMode M, bool kPair>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
-                                           uint8_t* smem_b, uint64_t* full) {
+                                           uint8_t* smem_b, uint64_t* full, uint32_t rank) {
   using T = ModeTraits<M>;
   const int k0 = tile.k_begin + kb * kBlockK;
   const int e = tile.expert;
   const int I = static_cast<int>(p.args.intermediate);
   for (int box = 0; box < 2; ++box) {
     // A
-    if constexpr (T::kAMnMajor) {
-      tma_load_2d(smem_a + box * kBoxBytes, map_a, full, tile.m * kBlockM + box * 64, k0);
+    const int a_row = tile.m * kBlockM + box * 64;
+    const int c0 = T::kAMnMajor ? a_row : k0, c1 = T::kAMnMajor ? k0 : a_row;
+    if constexpr (kPair) {
+      if (box == static_cast<int>(rank)) tma_load_2d_multicast(smem_a + box * kBoxBytes, map_a, full, c0, c1, 0b11);
     } else {
-      tma_load_2d(smem_a + box * kBoxBytes, map_a, full, k0, tile.m * kBlockM + box * 64);
+      tma_load_2d(smem_a + box * kBoxBytes, map_a, full, c0, c1);
     }
     // B
     if constexpr (M == GemmMode::kGateUp) {  // gate rows and the matching up rows
@@ -61,7 +66,10 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
-template <GemmMode M>
+// kPair: launched as clusters of two CTAs sharing A (see load_stage); every
+// stage's empty barrier then also counts the peer consumer's warps, because
+// the peer's multicast writes into this CTA's stage.
+template <GemmMode M, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -87,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], 4);  // one arrival per warp of the consumer that owns the stage's tile
+      mbar_init(&ring.empty[s], kPair ? 8 : 4);  // one arrival per warp of the consumer(s) that read the stage
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -96,7 +104,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     *abort_flag = 0u;
     fence_barrier_init();
   }
-  __syncthreads();
+  // A pair's peer arrives on these barriers and multicasts into this CTA's
+  // stages: both CTAs' inits come first.
+  if constexpr (kPair) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+  const uint32_t rank = kPair ? cluster_rank() : 0;
 
   const int tiles = scheduler.num_tiles();
   if (wg == 0) {
@@ -117,9 +132,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint64_t* full = &ring.full[ps.stage()];
           mbar_arrive_expect_tx(full, kStageBytes);
           uint8_t* stage = smem + ps.stage() * kStageBytes;
-          load_stage<M>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full);
+          load_stage<M, kPair>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
         }
       }
+      // Stay until both CTAs' consumers have released every stage: the
+      // peer's last arrivals land in this CTA's shared memory.
+      if constexpr (kPair)
+        for (int s = 0; s < S; ++s, ++ps)
+          if (!ring.wait_empty(waits, ps)) return;
     }
     return;
   }
@@ -131,6 +151,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
+  // A warp gives stage s back to this CTA's producer and, in a pair, to the peer's.
+  auto release = [&](int s) {
+    if (!warp_leader) return;
+    mbar_arrive(&ring.empty[s]);
+    if constexpr (kPair) mbar_arrive_cluster(&ring.empty[s], rank ^ 1u);
+  };
   uint8_t* my_buffer = epilogue_base + cw * Tr::kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
                       tile_src_base + cw * kBlockM,
@@ -196,12 +222,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // and issued: retiring down to one pending group proves the previous
       // k-block's group done, so its stage (not this one) goes back.
       wgmma_wait<1>();
-      if (kb > 0 && warp_leader) mbar_arrive(&ring.empty[ps.previous_stage()]);
+      if (kb > 0) release(ps.previous_stage());
     }
     wgmma_wait<0>();
     fence_accumulators(acc[0]);
     fence_accumulators(acc[1]);
-    if (tile.k_blocks > 0 && warp_leader) mbar_arrive(&ring.empty[ps.previous_stage()]);
+    if (tile.k_blocks > 0) release(ps.previous_stage());
     if ((threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!Epilogue<M>{}(p, tile, acc, ctx)) return;
     // kDownGrad: the buffer is free again (the storer, this same thread, saw
@@ -215,11 +241,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks) bulk_wait_group<0>();
 }
 
-template <GemmMode M>
+template <GemmMode M, bool kPair>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
-                   const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int grid,
+                   const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
   using Tr = ModeTraits<M>;
+  auto* kernel = grouped_gemm_kernel<M, kPair>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -227,7 +254,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   int launch_regs = known_regs.load(std::memory_order_relaxed);
   if (launch_regs == 0) {
     cudaFuncAttributes a{};
-    const cudaError_t q = cudaFuncGetAttributes(&a, grouped_gemm_kernel<M>);
+    const cudaError_t q = cudaFuncGetAttributes(&a, kernel);
     if (q != cudaSuccess) return cuda_status("grouped GEMM: reading the kernel's attributes", q);
     launch_regs = a.numRegs;
     known_regs.store(launch_regs, std::memory_order_relaxed);
@@ -235,13 +262,32 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Tr::kSmemBytes);
-  if (err == cudaSuccess) {
-    grouped_gemm_kernel<M><<<grid, kThreads, Tr::kSmemBytes, stream>>>(map_a, map_b, map_z, map_out0, map_out1,
-                                                                         params);
-    err = cudaGetLastError();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(num_sms);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Tr::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster{};
+  if constexpr (kPair) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    // A persistent grid must fit at once: as many pairs as the GPU can hold
+    // side by side (a GPC with an odd SM count leaves one SM out). Asked once.
+    static std::atomic<int> known_pairs{0};
+    int pairs = known_pairs.load(std::memory_order_relaxed);
+    if (pairs == 0) {
+      err = cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg);
+      if (err != cudaSuccess) return cuda_status("grouped GEMM: how many CTA pairs fit", err);
+      if (pairs <= 0) return internal_error("grouped GEMM: no pair of CTAs fits on this GPU");
+      known_pairs.store(pairs, std::memory_order_relaxed);
+    }
+    cfg.gridDim = dim3(2 * std::min(pairs, num_sms / 2));
   }
+  err = cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_z, map_out0, map_out1, params);
   return cuda_status("grouped GEMM launch", err);
 }
 
@@ -270,9 +316,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, 2 * I, &map_dz));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out1, args.a_rows, I, &map_wa));
   }
-  const int grid = num_sms;
+  // Pairs of CTAs share A when every tile has a partner with the same rows
+  // (tiles 2i and 2i + 1: n and n + 1 of one row tile, so an even n_tiles).
+  const bool pair = args.pair_ctas && p.n_tiles % 2 == 0 && num_sms >= 2;
   auto launch = [&](auto mode) {
-    return launch_mode<decltype(mode)::value>(map_a, map_b, map_z, map_dz, map_wa, p, grid, stream);
+    constexpr GemmMode m = decltype(mode)::value;
+    return pair ? launch_mode<m, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream)
+                : launch_mode<m, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
   };
   switch (args.mode) {
     case GemmMode::kGateUp: return launch(std::integral_constant<GemmMode, GemmMode::kGateUp>{});

@@ -94,6 +94,43 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// ---- clusters ------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+// Every thread of every CTA of the cluster (release / acquire: what each did
+// before, mbarrier inits included, is visible to all after).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// One arrival on the mbarrier at the same shared-memory offset in CTA `rank`
+// of the cluster. Default (.cta) release semantics, as CUTLASS's cluster
+// barrier arrives: what it orders here is the end of this warp's reads of a
+// stage (retired wgmma groups), and .release.cluster would cost a GPU-wide
+// MEMBAR per arrival.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(rank)
+      : "memory");
+}
+// tma_load_2d into the same shared-memory offset of every CTA in `cta_mask`,
+// each CTA's barrier at `bar`'s offset getting the byte count.
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                                      int c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(smem_dst)),
+      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+
 // ---- wgmma ----------------------------------------------------------------------
 // Shared-memory matrix descriptor for a 128-byte-swizzled tile (1024-byte
 // aligned atoms of 8 rows x 128 bytes). K-major: SBO = 1024 (next 8 rows),
