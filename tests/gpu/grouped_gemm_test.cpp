@@ -411,9 +411,10 @@ TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
   if (e_dg.rel > kDzRel) describe_mismatch(dg_g, dg_r, I);
 }
 
-// Pairs of CTAs sharing A by multicast (pair_ctas, the default where n_tiles
-// is even: every mode here) against the one-CTA path: the same bits. kDown
-// (slots), kDownGrad (z chunks, three outputs) and kWeightGrad (MN-major A).
+// Pairs of CTAs sharing A by multicast (pair_ctas, the default where the mode
+// uses them and n_tiles is even) against the one-CTA path: the same bits.
+// kWeightGrad pairs; kDown and kDownGrad check that the flag changes nothing
+// where a mode does not.
 TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);

@@ -57,6 +57,12 @@ struct ModeTraits {
   static constexpr bool kZChunks = M == GemmMode::kDownGrad;
   static constexpr int kEpilogueBytes = kStaged ? kBlockM * kStagingLd * 2 : kZChunks ? kZChunkBytes : 0;
   static constexpr int kStages = kStaged ? 4 : kZChunks ? 5 : 6;
+  // Pairs of CTAs sharing A by multicast (grouped_gemm.cu, load_stage): only
+  // where they measured faster. Qwen3-30B-A3B, 16384 tokens, Nsight Compute,
+  // one CTA -> pair: kWeightGrad dW13 1.68 -> 1.47 ms, dW2 749 -> 754 us;
+  // kGateUp 1.29 -> 1.34 ms, kDown 823 -> 819 us, kDownGrad 818 -> 852 us,
+  // kGateUpGrad 1.35 -> 1.37 ms (perf-log, session 17).
+  static constexpr bool kPairs = M == GemmMode::kWeightGrad;
   // Shared memory: [align pad][stages][epilogue buffer x 2][mbarriers: full, empty (kStages each), order [2],
   // z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
   static constexpr int kBarriers = 2 * kStages + 4;

@@ -316,13 +316,16 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, 2 * I, &map_dz));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out1, args.a_rows, I, &map_wa));
   }
-  // Pairs of CTAs share A when every tile has a partner with the same rows
-  // (tiles 2i and 2i + 1: n and n + 1 of one row tile, so an even n_tiles).
+  // Pairs of CTAs share A (in the modes where that is faster: ModeTraits::kPairs)
+  // when every tile has a partner with the same rows: tiles 2i and 2i + 1 are
+  // n and n + 1 of one row tile, so n_tiles must be even.
   const bool pair = args.pair_ctas && p.n_tiles % 2 == 0 && num_sms >= 2;
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
-    return pair ? launch_mode<m, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream)
-                : launch_mode<m, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    if constexpr (ModeTraits<m>::kPairs) {
+      if (pair) return launch_mode<m, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
+    return launch_mode<m, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
   };
   switch (args.mode) {
     case GemmMode::kGateUp: return launch(std::integral_constant<GemmMode, GemmMode::kGateUp>{});

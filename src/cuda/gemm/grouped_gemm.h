@@ -66,8 +66,9 @@ struct GroupedGemmArgs {
   bool accumulate = false;      // kWeightGrad fp32: add to out0
   DeviceErrorSink errors;       // where a timed-out wait is reported (and its bound)
   int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration
-  // Clusters of two CTAs sharing A by TMA multicast (used when n_tiles is even);
-  // tests set false to compare with the one-CTA path.
+  // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
+  // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
+  // set false to compare with the one-CTA path.
   bool pair_ctas = true;
 };
 
