@@ -280,6 +280,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     static std::atomic<int> known_pairs{0};
     int pairs = known_pairs.load(std::memory_order_relaxed);
     if (pairs == 0) {
+      cfg.gridDim = dim3(num_sms / 2 * 2);  // the query refuses a grid that is not whole clusters
       err = cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg);
       if (err != cudaSuccess) return cuda_status("grouped GEMM: how many CTA pairs fit", err);
       if (pairs <= 0) return internal_error("grouped GEMM: no pair of CTAs fits on this GPU");
