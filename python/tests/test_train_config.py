@@ -105,8 +105,10 @@ def test_presets_come_from_the_library():
     count = ctypes.c_int32()
     info = _lib.PresetInfo()
     _lib.check(_lib.lib().megamoe_preset(0, ctypes.byref(info), ctypes.byref(count)))
-    assert set(train.PRESETS) == {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"} and count.value == 3
+    assert set(train.PRESETS) == {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b",
+                                  "deepseek-v3"} and count.value == 6
     assert train.PRESETS["qwen3-30b-a3b"]["hidden_size"] == 2048
     assert train.PRESETS["qwen3-235b-a22b"]["moe_intermediate_size"] == 1536
-    with pytest.raises(_lib.MegaMoEError, match=r"preset index 3 is out of range \[0, 3\)"):
-        _lib.check(_lib.lib().megamoe_preset(3, ctypes.byref(info), None))
+    assert train.PRESETS["mixtral-8x7b"]["moe_intermediate_size"] == 14336
+    with pytest.raises(_lib.MegaMoEError, match=r"preset index 6 is out of range \[0, 6\)"):
+        _lib.check(_lib.lib().megamoe_preset(6, ctypes.byref(info), None))
