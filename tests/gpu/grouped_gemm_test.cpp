@@ -480,7 +480,7 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
 
 // Expert parallelism's ordering contract (GroupedGemmArgs::rows_ready): the x
 // pool starts as NaN, and a kernel on another stream delivers its row tiles
-// late (30 us apart) and in reverse order, release-storing each tile's
+// late (0.5 ms apart) and in reverse order, release-storing each tile's
 // counter. kGateUp, launched right after on a stream of its own, must hold
 // every tile until its rows are in: z and a equal, bit for bit, the run on
 // the delivered pool with nothing to wait for. A GEMM that ignored the
@@ -510,7 +510,7 @@ TEST_P(GroupedGemm, TilesWaitForTheirRowsToArrive) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
   auto* ready = static_cast<uint32_t*>(counters.view().data);
   ASSERT_EQ(launch_row_release(x.dev.view().data, late.view().data, H, static_cast<const int32_t*>(order.view().data),
-                               tiles, ready, 1u, 30'000, deliver),
+                               tiles, ready, 1u, 500'000, deliver),
             cudaSuccess);
   g.a = late.view().data;
   g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;

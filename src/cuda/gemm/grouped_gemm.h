@@ -70,7 +70,11 @@ struct GroupedGemmArgs {
   // set, pool tile m (rows 128m..) is loaded only once rows_ready[m] >=
   // ready_value: whoever writes a tile's rows then adds to or stores its
   // counter with release semantics (GPU scope, or system scope across GPUs).
-  // A growing ready_value lets the same counters serve call after call.
+  // A growing ready_value (> 0) lets the same counters serve call after call.
+  // Residency: the GEMM's CTAs fill their SMs and do not leave while they
+  // wait, so a writer on this GPU must already be running when they start
+  // (or the GEMM must leave it SMs: a smaller grid); a peer GPU or a copy
+  // engine has no such constraint. A tile whose rows never come times out.
   const uint32_t* rows_ready = nullptr;  // [capacity / 128]
   uint32_t ready_value = 0;
   int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration

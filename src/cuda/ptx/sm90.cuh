@@ -19,11 +19,12 @@ __device__ __forceinline__ uint32_t lane_id() {
   return lane;
 }
 
-// A 32-bit load with acquire semantics at GPU scope (pairs with a release
-// store or atomic by another kernel, CTA or, through peer memory, GPU).
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+// A 32-bit load with acquire semantics at system scope: it pairs with a
+// release by another kernel or CTA of this GPU and, through peer memory, by
+// a thread of another GPU (a .gpu acquire would not include that one).
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 // Orders this thread's earlier generic-proxy accesses of global memory (an
