@@ -86,9 +86,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
   auto* tile_src_base = reinterpret_cast<int32_t*>(barriers + Tr::kBarriers);
-  // Set by the first thread whose wait gives up; the others then give up too.
-  auto* abort_flag = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
-  const BoundedWait waits{p.args.errors, abort_flag, kernel_id<M>()};
+  // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
+  auto* cta_state = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
+  const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>()};
   const TileScheduler<M> scheduler{p};
 
   const int wg = threadIdx.x / 128;
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&order.bar[c], 1);
       mbar_init(&z_full[c], 1);
     }
-    *abort_flag = 0u;
+    *cta_state = 0u;
     fence_barrier_init();
   }
   // A pair's peer arrives on these barriers and multicasts into this CTA's
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       State ps;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = scheduler.tile(t);
+        if (!scheduler.wait_rows_in(waits, tile)) return;
         for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
           if (static_cast<int64_t>(ps.it) == stall_at) return;
           if (!ring.wait_empty(waits, ps)) return;
@@ -298,6 +299,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
+  if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
+    return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  if (args.rows_ready != nullptr && args.ready_value == 0)
+    return internal_error("grouped GEMM: rows_ready with ready_value 0 would wait for nothing");
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
