@@ -39,4 +39,8 @@ def test_installed_megamoe_program_prints_its_usage():
     path = Path(dist.locate_file(programs[0])).resolve()
     out = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: megamoe run [--preset tiny|qwen3-30b-a3b|qwen3-235b-a22b]"), out.stdout
+    # Every preset the library defines, in its order (include/megamoe/presets.h).
+    from megamoe.presets import PRESETS
+    presets = "|".join(PRESETS)
+    assert presets.startswith("tiny|qwen3-30b-a3b|qwen3-235b-a22b|"), presets
+    assert out.stdout.startswith(f"usage: megamoe run [--preset {presets}]"), out.stdout
