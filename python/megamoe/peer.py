@@ -37,11 +37,12 @@ class SymmetricBuffer:
     rank: int
     world: int
     nbytes: int
+    peers: torch.Tensor   # int64 [world] on this rank's GPU: every rank's buffer, as this GPU sees it
 
     @property
     def peers_device_ptr(self) -> int:
-        """Device address of the table [world] of buffer pointers (as this rank's GPU sees them)."""
-        return int(self.handle.buffer_ptrs_dev)
+        """Device address of the table [world] of buffer pointers."""
+        return self.peers.data_ptr()
 
 
 def symmetric_buffer(nbytes: int, group) -> SymmetricBuffer:
@@ -60,13 +61,24 @@ def symmetric_buffer(nbytes: int, group) -> SymmetricBuffer:
     device = torch.device("cuda", torch.cuda.current_device())
     tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(tensor, group)
-    return SymmetricBuffer(tensor, handle, int(handle.rank), int(handle.world_size), nbytes)
+    rank, world = int(handle.rank), int(handle.world_size)
+    # The handle's pointers are the bases of each rank's allocation block, and
+    # torch may place the tensor inside a pooled block: add the tensor's offset
+    # (the same on every rank, the allocation being symmetric).
+    bases = [int(p) for p in handle.buffer_ptrs]
+    offset = tensor.data_ptr() - bases[rank]
+    if offset < 0 or offset + nbytes > int(handle.buffer_size):
+        raise RuntimeError(f"megamoe.peer: the tensor lies outside its symmetric block (offset {offset}, "
+                           f"{nbytes} bytes, block of {int(handle.buffer_size)})")
+    peers = torch.tensor([b + offset for b in bases], dtype=torch.int64, device=device)
+    return SymmetricBuffer(tensor, handle, rank, world, nbytes, peers)
 
 
 def _peer_check(buf: SymmetricBuffer, phase: int, wrong=None) -> None:
-    stream = torch.cuda.current_stream()
-    _lib.check(_lib.lib().megamoe_peer_check(phase, buf.rank, buf.world, buf.tensor.data_ptr(), buf.peers_device_ptr,
-                                             buf.nbytes, stream.cuda_stream, wrong))
+    with torch.cuda.device(buf.tensor.device):
+        stream = torch.cuda.current_stream()
+        _lib.check(_lib.lib().megamoe_peer_check(phase, buf.rank, buf.world, buf.tensor.data_ptr(),
+                                                 buf.peers_device_ptr, buf.nbytes, stream.cuda_stream, wrong))
 
 
 def write_payload(buf: SymmetricBuffer) -> None:
@@ -93,11 +105,16 @@ def check_peer_memory(group, nbytes: int = 1 << 20) -> SymmetricBuffer:
     buf = symmetric_buffer(nbytes, group)
     dist.barrier(group)                  # every rank's buffer exists
     write_payload(buf)
-    torch.cuda.current_stream().synchronize()  # this rank's writes have completed ...
+    torch.cuda.current_stream(buf.tensor.device).synchronize()  # this rank's writes have completed ...
     dist.barrier(group)                  # ... and so have every other rank's
     wrong = count_wrong_words(buf)
-    dist.barrier(group)                  # nobody writes again before everyone has counted
-    if wrong != 0:
-        raise _lib.MegaMoEError(f"megamoe.peer: rank {buf.rank} of {buf.world}: {wrong} words of its "
-                                f"{buf.nbytes}-byte symmetric buffer do not hold what their writer put there")
+    # Every rank learns every count, so that all raise together (one rank
+    # raising alone would leave the others hanging at their next collective).
+    counts = torch.tensor([wrong], dtype=torch.int64, device=buf.tensor.device)
+    gathered = [torch.zeros_like(counts) for _ in range(buf.world)]
+    dist.all_gather(gathered, counts, group=group)
+    bad = {r: int(c.item()) for r, c in enumerate(gathered) if int(c.item()) != 0}
+    if bad:
+        raise _lib.MegaMoEError("megamoe.peer: words that do not hold what their writer put there, by rank of "
+                                f"{buf.world} ({buf.nbytes}-byte symmetric buffers): {bad}")
     return buf

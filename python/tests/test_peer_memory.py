@@ -17,6 +17,9 @@ def _two_ranks(rank: int, init_file: str) -> None:
     try:
         buf = peer.check_peer_memory(dist.group.WORLD, nbytes=1 << 20)
         assert (buf.rank, buf.world) == (rank, 2), (buf.rank, buf.world)
+        # A second buffer may sit inside the same pooled block (a nonzero offset): checked too.
+        second = peer.check_peer_memory(dist.group.WORLD, nbytes=1 << 20)
+        assert second.peers_device_ptr != buf.peers_device_ptr
         # The check can fail: rank 1 spoils one word of its own buffer between the writes and the count.
         peer.write_payload(buf)
         torch.cuda.synchronize()
