@@ -79,8 +79,10 @@ float block_scale(float amax, ScaleKind kind) {
     case ScaleKind::kPowerOfTwo:
       return fp8_scale_pow2(amax);
     case ScaleKind::kE8M0: {
-      // The smallest power of two that does not saturate, clamped to E8M0's range.
+      // The smallest power of two that does not saturate, clamped to E8M0's
+      // range; an infinite amax takes the largest scale (E8M0 has no infinity).
       if (amax == 0.0f) return float_from_e8m0(0);
+      if (std::isinf(amax)) return float_from_e8m0(e8m0_from_exponent(127));
       const double e = std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max));
       return float_from_e8m0(e8m0_from_exponent(static_cast<int>(e)));
     }

@@ -84,6 +84,7 @@ TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
     x[static_cast<size_t>(cols + 128 + c)] = tiny;  // row 1, tile 1: tiny values
   }
   x[static_cast<size_t>(2 * cols + 256 + 5)] = 0x7FC0;  // row 2, tile 2: a NaN
+  x[static_cast<size_t>(3 * cols + 9)] = 0xFF80;        // row 3, tile 0: -inf
   Dev<uint16_t> dx(x.size());
   Dev<uint8_t> dq(x.size());
   Dev<float> ds(static_cast<size_t>(rows * tiles));
@@ -106,6 +107,7 @@ TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
   EXPECT_EQ(scales_differ, 0);
   EXPECT_EQ(bytes_differ, 0);
   EXPECT_TRUE(std::isnan(s[static_cast<size_t>(2 * tiles + 2)])) << "the NaN tile's scale";
+  EXPECT_TRUE(std::isinf(s[static_cast<size_t>(3 * tiles)])) << "the inf tile's scale";
   EXPECT_EQ(s[0], 1.0f) << "the zero tile's scale";
 }
 
@@ -113,9 +115,26 @@ TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t batch = 2, rows = 256, cols = 384, tr = rows / 128, tc = cols / 128;
   const int64_t n = batch * rows * cols;
-  // Tiles vary along columns of 128 here (the data's stride), and rows of tiles get different seeds' values.
-  std::vector<uint16_t> w = make_data(n, 128, 23);
+  // Each 128 x 128 tile its own magnitude (2^-40 .. 2^40), then: batch 0 tile (0, 1) all zero, tile (1, 2)
+  // tiny (bf16 subnormals), batch 1 tile (1, 1) a NaN, tile (0, 2) an inf.
+  std::vector<uint16_t> w(static_cast<size_t>(n));
+  uint32_t state = 23;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        state = state * 1664525u + 1013904223u;
+        const int64_t tile = (b * tr + r / 128) * tc + c / 128;
+        const double mag = std::ldexp(0.5 + (state >> 8) / double(1u << 24), static_cast<int>(tile * 7 % 81) - 40);
+        w[static_cast<size_t>((b * rows + r) * cols + c)] =
+            numerics::bf16_bits_from_float(static_cast<float>((state & 1) ? -mag : mag));
+      }
+  for (int64_t r = 0; r < 128; ++r)
+    for (int64_t c = 0; c < 128; ++c) {
+      w[static_cast<size_t>(r * cols + 128 + c)] = 0;
+      w[static_cast<size_t>((128 + r) * cols + 256 + c)] = numerics::bf16_bits_from_float(1e-39f);
+    }
   w[static_cast<size_t>(rows * cols + 130 * cols + 200)] = 0x7FC0;  // batch 1, tile (1, 1): a NaN
+  w[static_cast<size_t>(rows * cols + 5 * cols + 300)] = 0x7F80;    // batch 1, tile (0, 2): +inf
   Dev<uint16_t> dw(static_cast<size_t>(n));
   Dev<uint8_t> dq(static_cast<size_t>(n)), dqt(static_cast<size_t>(n));
   Dev<float> ds(static_cast<size_t>(batch * tr * tc));
@@ -147,6 +166,8 @@ TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {
   EXPECT_EQ(bytes_differ, 0);
   EXPECT_EQ(transposed_differ, 0);
   EXPECT_TRUE(std::isnan(s[static_cast<size_t>((1 * tr + 1) * tc + 1)])) << "the NaN tile's scale";
+  EXPECT_TRUE(std::isinf(s[static_cast<size_t>((1 * tr + 0) * tc + 2)])) << "the inf tile's scale";
+  EXPECT_EQ(s[1], 1.0f) << "the zero tile's scale";
 }
 
 std::string scale_name(const ::testing::TestParamInfo<ScaleKind>& p) {
@@ -162,10 +183,14 @@ TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
   const uint16_t x = 0;
   const Status rows = cuda::quantize_e4m3_rows(&x, 4, 100, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
   EXPECT_EQ(rows.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(rows.message().find("cols = 100 must be positive multiples of 128"), std::string::npos) << rows.message();
+  EXPECT_NE(rows.message().find("cols = 100 a positive multiple of 128"), std::string::npos) << rows.message();
   const Status blocks = cuda::quantize_e4m3_blocks(&x, 1, 200, 128, cuda::Fp8Scale::kFloat32, &q, nullptr, &s, nullptr);
   EXPECT_EQ(blocks.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(blocks.message().find("rows = 200"), std::string::npos) << blocks.message();
+  alignas(16) uint16_t row[130] = {};
+  alignas(16) uint8_t out[128];
+  const Status misaligned = cuda::quantize_e4m3_rows(row + 1, 1, 128, cuda::Fp8Scale::kFloat32, out, &s, nullptr);
+  EXPECT_NE(misaligned.message().find("x must be 8-byte"), std::string::npos) << misaligned.message();
 }
 
 }  // namespace

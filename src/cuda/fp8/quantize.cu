@@ -119,10 +119,13 @@ Status check_shape(const char* what, int64_t rows, int64_t cols) {
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
                           cudaStream_t stream) {
   // Rows need not be a multiple of 128 here (1 x 128 tiles): only cols.
-  MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 row quantizer", kTile, cols));
-  if (rows <= 0) return invalid_argument("fp8 row quantizer: rows = " + std::to_string(rows) + " must be positive");
+  if (rows <= 0 || cols <= 0 || cols % kTile != 0)
+    return invalid_argument("fp8 row quantizer: rows = " + std::to_string(rows) + " must be positive and cols = " +
+                            std::to_string(cols) + " a positive multiple of 128");
   if (x == nullptr || q == nullptr || scales == nullptr)
     return invalid_argument("fp8 row quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(x) % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0)
+    return invalid_argument("fp8 row quantizer: x must be 8-byte and q 4-byte aligned");
   const int64_t warps = rows * (cols / kTile);
   const int64_t blocks = (warps * 32 + 255) / 256;
   quantize_rows_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
@@ -137,6 +140,9 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
     return invalid_argument("fp8 block quantizer: batch = " + std::to_string(batch) + " must be positive");
   if (w == nullptr || q == nullptr || scales == nullptr)
     return invalid_argument("fp8 block quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
+    return invalid_argument("fp8 block quantizer: w must be 16-byte, q and q_t 8-byte aligned");
   const int64_t tiles = batch * (rows / kTile) * (cols / kTile);
   quantize_blocks_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows,
                                                                            cols, scale, q, q_t, scales);
