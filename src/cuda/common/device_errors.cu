@@ -19,7 +19,7 @@ const char* kernel_name(uint32_t k) {
 }
 
 const char* barrier_name(uint32_t b) {
-  static const char* const kNames[kBarrierCount] = {"full", "empty", "order"};
+  static const char* const kNames[kBarrierCount] = {"full", "empty", "order", "row arrival"};
   return b < kBarrierCount ? kNames[b] : "unknown";
 }
 
@@ -65,6 +65,12 @@ Status get(int device, PerDevice** out) {
 
 Status describe(const DeviceErrorReport& r, int device) {
   const std::string on = " (found on cuda:" + std::to_string(device) + " in a megamoe call";
+  if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierRows) {
+    return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) +
+                         ": the rows of pool tile " + std::to_string(r.phase) +
+                         " never arrived (rows_ready): the wait gave up after " + std::to_string(r.waited_ns / 1000000) +
+                         " ms" + on + "; the kernel exited, its outputs are undefined)");
+  }
   if (r.kind == kDeviceErrorTimeout) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) + ": the wait on " +
                          barrier_name(r.barrier) + " barrier phase " + std::to_string(r.phase) + " gave up after " +

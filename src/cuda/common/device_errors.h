@@ -37,7 +37,9 @@ enum KernelId : uint32_t {
 };
 
 // Which barrier a timed-out wait was on (names in device_errors.cu).
-enum BarrierId : uint32_t { kBarrierFull = 0, kBarrierEmpty, kBarrierOrder, kBarrierCount };
+// kBarrierRows: a grouped GEMM waiting for a pool tile's rows to arrive
+// (GroupedGemmArgs::rows_ready); its phase is the pool tile.
+enum BarrierId : uint32_t { kBarrierFull = 0, kBarrierEmpty, kBarrierOrder, kBarrierRows, kBarrierCount };
 
 struct DeviceErrorReport {
   volatile uint32_t kind;

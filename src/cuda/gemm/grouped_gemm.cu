@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       State ps;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = scheduler.tile(t);
+        if (!scheduler.wait_rows_in(waits, tile)) return;
         for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
           if (static_cast<int64_t>(ps.it) == stall_at) return;
           if (!ring.wait_empty(waits, ps)) return;
@@ -298,6 +299,8 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
+  if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
+    return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.

@@ -65,6 +65,14 @@ struct GroupedGemmArgs {
   bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)
   bool accumulate = false;      // kWeightGrad fp32: add to out0
   DeviceErrorSink errors;       // where a timed-out wait is reported (and its bound)
+  // Rows that arrive while the GEMM runs (expert parallelism: tokens from
+  // other ranks land in the pool during the call). M-grouped modes only. When
+  // set, pool tile m (rows 128m..) is loaded only once rows_ready[m] >=
+  // ready_value: whoever writes a tile's rows then adds to or stores its
+  // counter with release semantics (GPU scope, or system scope across GPUs).
+  // A growing ready_value lets the same counters serve call after call.
+  const uint32_t* rows_ready = nullptr;  // [capacity / 128]
+  uint32_t ready_value = 0;
   int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests

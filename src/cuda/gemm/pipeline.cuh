@@ -24,9 +24,10 @@ namespace megamoe::cuda::engine {
 // retires its wgmma groups). No trap: the CUDA context stays usable and the
 // host learns of it from take_device_error (kTimeout).
 //
-// Bounds: full waits (the consumers waiting for loaded stages) give up after
-// timeout_ns; empty and order waits (the producer waiting for consumers, a
-// consumer for the other one) after 2 x timeout_ns. Those are downstream of a
+// Bounds: full waits (the consumers waiting for loaded stages) and row waits
+// (the producer waiting for a pool tile's rows to arrive: wait_counter) give
+// up after timeout_ns; empty and order waits (the producer waiting for
+// consumers, a consumer for the other one) after 2 x timeout_ns. Those are downstream of a
 // stalled full wait, so the wait nearest the cause reports and the others
 // then leave through the abort flag.
 //
@@ -49,24 +50,40 @@ struct BoundedWait {
   uint32_t* abort_flag;  // shared: set by the first wait of the CTA that gives up
   uint32_t kernel;       // the KernelId a report names
 
-  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
-    if (ptx::mbar_try_wait(bar, parity)) return true;
+  // Polls done() until it holds (true) or the wait gives up (false).
+  template <typename Done>
+  __device__ __forceinline__ bool wait_until(Done done, BarrierId barrier, uint32_t phase) const {
+    if (done()) return true;
     const uint64_t start = global_timer_ns();
     uint64_t leave_at = ~uint64_t{0};  // set once the abort flag is seen
     for (;;) {
-      if (ptx::mbar_try_wait(bar, parity)) return true;
+      if (done()) return true;
       const uint64_t now = global_timer_ns();
       if (now >= leave_at) return false;
       // Shared-memory atomics (slow path only): the flag is read and written by
       // many threads with no barrier between them, by design.
       if (leave_at == ~uint64_t{0} && atomicOr(abort_flag, 0u) != 0u) leave_at = now + kAbortGraceNs;
       const uint64_t waited = now - start;
-      if ((barrier == kBarrierFull ? waited : waited / 2) >= sink.timeout_ns) {
+      if ((barrier == kBarrierEmpty || barrier == kBarrierOrder ? waited / 2 : waited) >= sink.timeout_ns) {
         atomicOr(abort_flag, 1u);
         report_timeout(sink, kernel, barrier, phase, waited);
         return false;
       }
     }
+  }
+
+  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
+    return wait_until([&] { return ptx::mbar_try_wait(bar, parity); }, barrier, phase);
+  }
+
+  // Until *counter >= value (a release store or atomic by whoever delivers
+  // the rows; read with acquire). Then the rows it announces may be read by
+  // TMA: the proxy fence orders this thread's acquire before its later
+  // async-proxy reads. `tile` names the wait in a report.
+  __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t value, uint32_t tile) const {
+    if (!wait_until([&] { return ptx::ld_acquire_gpu(counter) >= value; }, kBarrierRows, tile)) return false;
+    ptx::fence_proxy_async_global();
+    return true;
   }
 };
 
