@@ -168,6 +168,41 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     return g;
   }
 
+  // A kWeightGrad launch: out [E, H, I] fp32 = per expert, pa [C, H]^T @ pb [C, I] over its pool rows.
+  cuda::GroupedGemmArgs weight_grad_problem(const Mat& pa, const Mat& pb, DeviceTensor& out) {
+    out = DeviceTensor(DType::kF32, {E, H, I});
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kWeightGrad, g.plan = plan, g.m = H, g.n = I;
+    g.a = pa.dev.view().data, g.a_rows = C, g.a_cols = H;
+    g.b = pb.dev.view().data, g.b_rows = C, g.b_cols = I;
+    g.out0 = out.view().data, g.out_f32 = true;
+    return g;
+  }
+
+  // A kDownGrad launch: random dy pool [C, H], w2 [E*H, I] and z pool [C, 2I];
+  // outputs dz [C, 2I], wa [C, I] and the d topk_w partials [C, I / 128],
+  // NaN first, so that an element the epilogue does not write fails a comparison.
+  cuda::GroupedGemmArgs down_grad_problem(Mat& dy, Mat& w2, Mat& z, Mat& dz, Mat& wa, DeviceTensor& dw_partial) {
+    random_pool(dy, H, 9);
+    random_mat(w2, E * H, I, 1.0 / 11, 10);
+    random_pool(z, 2 * I, 11);
+    dz.make(C, 2 * I);
+    wa.make(C, I);
+    dw_partial = DeviceTensor(DType::kF32, {C, I / 128});
+    EXPECT_TRUE(dz.dev.fill_bytes(0xFF).ok());
+    EXPECT_TRUE(wa.dev.fill_bytes(0xFF).ok());
+    EXPECT_TRUE(dw_partial.fill_bytes(0xFF).ok());
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+    g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;
+    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+    g.topk_weights = static_cast<const float*>(weights.view().data);
+    g.z_pool = z.dev.view().data;
+    g.out0 = dz.dev.view().data, g.out1 = wa.dev.view().data;
+    g.dw_partial = static_cast<float*>(dw_partial.view().data);
+    return g;
+  }
+
   // Slot row j*T + t of every real pool row r (routed from (t, j)) against ref[r] (times its weight).
   void expect_slots_match(const Mat& slots, const std::vector<double>& ref, bool weighted) {
     const auto got = slots.download();
@@ -280,13 +315,8 @@ TEST_P(GroupedGemm, WeightGradMnMajorBothOperands) {
   Mat pa, pb;
   random_pool(pa, H, 7);
   random_pool(pb, I, 8);
-  DeviceTensor out(DType::kF32, {E, H, I});
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kWeightGrad, g.plan = plan, g.m = H, g.n = I;
-  g.a = pa.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = pb.dev.view().data, g.b_rows = C, g.b_cols = I;
-  g.out0 = out.view().data, g.out_f32 = true;
-  run(g);
+  DeviceTensor out;
+  run(weight_grad_problem(pa, pb, out));
   HostTensor got(DType::kF32, {E, H, I});
   ASSERT_TRUE(out.download(&got).ok());
   std::vector<float> gv;
@@ -330,26 +360,9 @@ ErrStats err_stats(const std::vector<float>& got, const std::vector<double>& ref
 // sums sum_c ga a of d topk_w. Padding rows (zero dy and z) must come out 0.
 TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
   Mat dy, w2, z, dz, wa;
-  random_pool(dy, H, 9);
-  random_mat(w2, E * H, I, 1.0 / 11, 10);
-  random_pool(z, 2 * I, 11);
-  dz.make(C, 2 * I);
-  wa.make(C, I);
+  DeviceTensor dw_partial;
+  run(down_grad_problem(dy, w2, z, dz, wa, dw_partial));
   const int64_t n_tiles = I / 128;
-  DeviceTensor dw_partial(DType::kF32, {C, n_tiles});
-  // NaN everywhere first: an output element the epilogue does not write fails the comparison.
-  ASSERT_TRUE(dz.dev.fill_bytes(0xFF).ok());
-  ASSERT_TRUE(wa.dev.fill_bytes(0xFF).ok());
-  ASSERT_TRUE(dw_partial.fill_bytes(0xFF).ok());
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
-  g.topk_weights = static_cast<const float*>(weights.view().data);
-  g.z_pool = z.dev.view().data;
-  g.out0 = dz.dev.view().data, g.out1 = wa.dev.view().data;
-  g.dw_partial = static_cast<float*>(dw_partial.view().data);
-  run(g);
   const auto ga = pool_gemm(dy, H, I, row_src, tile_expert, pool_rows,
                             [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + kk) * I + n]; });
   const auto dz_got = dz.download(), wa_got = wa.download();
@@ -426,20 +439,9 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
   run(g);
   EXPECT_EQ(slots.download(), paired) << "kDown";
 
-  Mat dy, z, dz, wa;
-  random_pool(dy, H, 9);
-  random_pool(z, 2 * I, 11);
-  dz.make(C, 2 * I);
-  wa.make(C, I);
-  DeviceTensor dw_partial(DType::kF32, {C, I / 128});
-  cuda::GroupedGemmArgs d;
-  d.mode = GemmMode::kDownGrad, d.plan = plan, d.n = I, d.k = H, d.intermediate = I;
-  d.a = dy.dev.view().data, d.a_rows = C, d.a_cols = H;
-  d.b = w2.dev.view().data, d.b_rows = E * H, d.b_cols = I;
-  d.topk_weights = static_cast<const float*>(weights.view().data);
-  d.z_pool = z.dev.view().data;
-  d.out0 = dz.dev.view().data, d.out1 = wa.dev.view().data;
-  d.dw_partial = static_cast<float*>(dw_partial.view().data);
+  Mat dy, w2d, z, dz, wa;
+  DeviceTensor dw_partial;
+  cuda::GroupedGemmArgs d = down_grad_problem(dy, w2d, z, dz, wa, dw_partial);
   run(d);
   const auto dz1 = dz.download(), wa1 = wa.download();
   HostTensor dwp1(DType::kF32, {C, I / 128}), dwp2(DType::kF32, {C, I / 128});
@@ -460,12 +462,8 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
     for (int64_t n = 0; n < I / 128; ++n) dw_differ += dwp1.get(r * (I / 128) + n) != dwp2.get(r * (I / 128) + n);
   EXPECT_EQ(dw_differ, 0) << "kDownGrad d topk_w partials";
 
-  DeviceTensor out(DType::kF32, {E, H, I});
-  cuda::GroupedGemmArgs w;
-  w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I;
-  w.a = dy.dev.view().data, w.a_rows = C, w.a_cols = H;
-  w.b = wa.dev.view().data, w.b_rows = C, w.b_cols = I;
-  w.out0 = out.view().data, w.out_f32 = true;
+  DeviceTensor out;
+  cuda::GroupedGemmArgs w = weight_grad_problem(dy, wa, out);
   run(w);
   HostTensor w1(DType::kF32, {E, H, I}), w2h(DType::kF32, {E, H, I});
   ASSERT_TRUE(out.download(&w1).ok());
