@@ -3,8 +3,10 @@
 // P = 2 on two GPUs (MultiGpu.*). Every rank's x rows carry a payload that
 // encodes (rank, token, column); after the push, slot [s][t] of rank d must
 // hold rank s's row t exactly when one of that token's experts lives on d,
-// and still hold its poison otherwise; every flag [s] of rank d (s != d) must
-// hold the call's epoch. A second call with other routing and epoch 2 too.
+// and still hold its poison otherwise; rank d's copy of rank s's routing and
+// token count must equal rank s's (ranks have different token counts); every
+// flag [s] of rank d (s != d) must hold the call's epoch. A second call with
+// other routing and epoch 2 too.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -31,7 +33,7 @@ void push_and_check(const std::vector<int>& devices) {
   const int experts = 4 * world, per_rank = 4, k = 3;
   const int64_t tokens = 300, hidden = 128;
   cuda::DispatchLayout layout;
-  layout.world = world, layout.max_tokens = tokens, layout.hidden = hidden;
+  layout.world = world, layout.max_tokens = tokens, layout.hidden = hidden, layout.top_k = k;
   std::unique_ptr<cuda::PeerGroup> group;
   MEGAMOE_ASSERT_OK(cuda::make_one_process_group(devices, layout.bytes(), &group));
 
@@ -84,7 +86,7 @@ void push_and_check(const std::vector<int>& devices) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::DispatchArgs a;
       a.x = ranks[static_cast<size_t>(r)].x, a.topk_idx = ranks[static_cast<size_t>(r)].idx;
-      a.tokens = tokens, a.top_k = k, a.experts_per_rank = per_rank, a.epoch = epoch;
+      a.tokens = tokens - r, a.experts_per_rank = per_rank, a.epoch = epoch;  // token counts differ by rank
       a.blocks_done = ranks[static_cast<size_t>(r)].done;
       MEGAMOE_ASSERT_OK(cuda::dispatch_push(group->view(r), layout, a, nullptr));
     }
@@ -96,12 +98,16 @@ void push_and_check(const std::vector<int>& devices) {
       std::vector<uint8_t> buf(layout.bytes());
       ASSERT_EQ(cudaMemcpy(buf.data(), group->view(d).local, buf.size(), cudaMemcpyDeviceToHost), cudaSuccess);
       const auto* flags = reinterpret_cast<const uint32_t*>(buf.data());
-      int64_t wrong_rows = 0, sent = 0;
+      const auto* counts = reinterpret_cast<const uint32_t*>(buf.data() + cuda::DispatchLayout::kTokensOffset);
+      int64_t wrong_rows = 0, wrong_ids = 0, sent = 0;
       for (int s = 0; s < world; ++s) {
         if (s == d) continue;
         EXPECT_EQ(flags[s], epoch) << "rank " << d << "'s flag from rank " << s;
+        EXPECT_EQ(counts[s], static_cast<uint32_t>(tokens - s)) << "rank " << d << "'s token count of rank " << s;
         const Rank& S = ranks[static_cast<size_t>(s)];
-        for (int64_t t = 0; t < tokens; ++t) {
+        const auto* ids = reinterpret_cast<const int32_t*>(buf.data() + layout.ids_offset(s, 0));
+        for (int64_t i = 0; i < (tokens - s) * k; ++i) wrong_ids += ids[i] != S.idx_host[static_cast<size_t>(i)];
+        for (int64_t t = 0; t < tokens - s; ++t) {
           bool goes = false;
           for (int j = 0; j < k; ++j) {
             const int e = S.idx_host[static_cast<size_t>(t * k + j)];
@@ -119,6 +125,7 @@ void push_and_check(const std::vector<int>& devices) {
         }
       }
       EXPECT_EQ(wrong_rows, 0) << "rank " << d << ", epoch " << epoch;
+      EXPECT_EQ(wrong_ids, 0) << "rank " << d << "'s copy of the routing, epoch " << epoch;
       EXPECT_GT(sent, 0) << "rank " << d << " received nothing: the test would prove little";
     }
   }
@@ -138,7 +145,7 @@ TEST(Dispatch, FourRanksOnOneGpuPushEveryRowOncePerRank) {
 
 TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {
   cuda::DispatchLayout layout;
-  layout.world = 2, layout.max_tokens = 10, layout.hidden = 128;
+  layout.world = 2, layout.max_tokens = 10, layout.hidden = 128, layout.top_k = 1;
   void* fake[2] = {reinterpret_cast<void*>(0x1000), reinterpret_cast<void*>(0x2000)};
   cuda::PeerView v;
   v.rank = 0, v.world = 2, v.local = fake[0], v.peers = fake, v.bytes = layout.bytes();
@@ -146,7 +153,7 @@ TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {
   int32_t idx = 0;
   uint16_t x = 0;
   cuda::DispatchArgs a;
-  a.x = &x, a.topk_idx = &idx, a.tokens = 11, a.top_k = 1, a.experts_per_rank = 1, a.epoch = 1, a.blocks_done = &done;
+  a.x = &x, a.topk_idx = &idx, a.tokens = 11, a.experts_per_rank = 1, a.epoch = 1, a.blocks_done = &done;
   Status st = cuda::dispatch_push(v, layout, a, nullptr);
   EXPECT_NE(st.message().find("11 tokens, but the receive area holds 10 per source rank"), std::string::npos)
       << st.to_string();

@@ -15,13 +15,19 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t chunks = layout.slot_bytes() / 16;  // 16-byte pieces of a row
+  const int k = layout.top_k;
   for (int64_t t = warp; t < a.tokens; t += warps) {
     // The ranks this token goes to: one bit per rank, from its k expert ids.
     // An id out of range sends nothing here (the routing plan reports it).
-    const int e = lane < a.top_k ? a.topk_idx[t * a.top_k + lane] : -1;
+    const int e = lane < k ? a.topk_idx[t * k + lane] : -1;
     const int owner = e >= 0 ? e / a.experts_per_rank : -1;
     const uint32_t mine = owner >= 0 && owner < v.world ? 1u << owner : 0u;
     uint32_t ranks = __reduce_or_sync(0xFFFFFFFFu, mine) & ~(1u << v.rank);
+    // Every other rank gets the token's routing, wherever its row goes.
+    if (lane < k)
+      for (int d = 0; d < v.world; ++d)
+        if (d != v.rank)
+          *reinterpret_cast<int32_t*>(static_cast<char*>(v.peers[d]) + layout.ids_offset(v.rank, t) + 4 * lane) = e;
     const auto* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + t * layout.slot_bytes());
     while (ranks != 0) {
       const int d = __ffs(ranks) - 1;
@@ -40,7 +46,9 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   *a.blocks_done = 0;
   for (int d = 0; d < v.world; ++d) {
     if (d == v.rank) continue;
-    auto* flag = reinterpret_cast<uint32_t*>(v.peers[d]) + v.rank;
+    char* peer = static_cast<char*>(v.peers[d]);
+    reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] = static_cast<uint32_t>(a.tokens);
+    auto* flag = reinterpret_cast<uint32_t*>(peer) + v.rank;
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
   }
 }
@@ -60,7 +68,8 @@ Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const Disp
   if (a.tokens < 0 || a.tokens > layout.max_tokens)
     return invalid_argument("dispatch: " + std::to_string(a.tokens) + " tokens, but the receive area holds " +
                             std::to_string(layout.max_tokens) + " per source rank");
-  if (a.top_k < 1 || a.top_k > 32) return invalid_argument("dispatch: top_k = " + std::to_string(a.top_k));
+  if (layout.top_k < 1 || layout.top_k > 32)
+    return invalid_argument("dispatch: top_k = " + std::to_string(layout.top_k) + " is not in [1, 32]");
   if (a.experts_per_rank < 1) return invalid_argument("dispatch: experts_per_rank must be >= 1");
   if (a.epoch == 0) return invalid_argument("dispatch: epoch 0 is the flags' initial value; start at 1");
   if (a.x == nullptr || a.topk_idx == nullptr || a.blocks_done == nullptr)
