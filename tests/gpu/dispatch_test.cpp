@@ -58,6 +58,8 @@ void push_and_check(const std::vector<int>& devices) {
     ASSERT_EQ(cudaMemcpy(R.x, R.x_host.data(), tokens * hidden * 2, cudaMemcpyHostToDevice), cudaSuccess);
   }
 
+  // Token counts differ by rank and by call, so a count that was not written shows.
+  auto count = [&](int r, uint32_t epoch) { return tokens - r - 7 * static_cast<int64_t>(epoch - 1); };
   std::mt19937 rng(5);
   for (uint32_t epoch = 1; epoch <= 2; ++epoch) {
     // Fresh routing (k distinct experts per token, some routes dropped) and poisoned receive areas.
@@ -73,10 +75,15 @@ void push_and_check(const std::vector<int>& devices) {
       }
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(R.idx, R.idx_host.data(), tokens * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      // Poison: rows 0xFF (never a payload), the header (flags, counts) 0xA5, and the
+      // routing copies 0x7F7F7F7F (neither an expert id nor -1, "no route").
       const cuda::PeerView v = group->view(r);
-      ASSERT_EQ(cudaMemset(static_cast<char*>(v.local) + cuda::DispatchLayout::kRecvOffset, 0xFF,
-                           layout.bytes() - cuda::DispatchLayout::kRecvOffset),
+      char* base = static_cast<char*>(v.local);
+      ASSERT_EQ(cudaMemset(base, 0xA5, cuda::DispatchLayout::kRecvOffset), cudaSuccess);
+      ASSERT_EQ(cudaMemset(base + cuda::DispatchLayout::kRecvOffset, 0xFF,
+                           layout.ids_offset() - cuda::DispatchLayout::kRecvOffset),
                 cudaSuccess);
+      ASSERT_EQ(cudaMemset(base + layout.ids_offset(), 0x7F, layout.bytes() - layout.ids_offset()), cudaSuccess);
     }
     for (int d : devices) {
       ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
@@ -86,7 +93,7 @@ void push_and_check(const std::vector<int>& devices) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::DispatchArgs a;
       a.x = ranks[static_cast<size_t>(r)].x, a.topk_idx = ranks[static_cast<size_t>(r)].idx;
-      a.tokens = tokens - r, a.experts_per_rank = per_rank, a.epoch = epoch;  // token counts differ by rank
+      a.tokens = count(r, epoch), a.experts_per_rank = per_rank, a.epoch = epoch;
       a.blocks_done = ranks[static_cast<size_t>(r)].done;
       MEGAMOE_ASSERT_OK(cuda::dispatch_push(group->view(r), layout, a, nullptr));
     }
@@ -103,13 +110,15 @@ void push_and_check(const std::vector<int>& devices) {
       for (int s = 0; s < world; ++s) {
         if (s == d) continue;
         EXPECT_EQ(flags[s], epoch) << "rank " << d << "'s flag from rank " << s;
-        EXPECT_EQ(counts[s], static_cast<uint32_t>(tokens - s)) << "rank " << d << "'s token count of rank " << s;
+        const int64_t n = count(s, epoch);
+        EXPECT_EQ(counts[s], static_cast<uint32_t>(n)) << "rank " << d << "'s token count of rank " << s;
         const Rank& S = ranks[static_cast<size_t>(s)];
         const auto* ids = reinterpret_cast<const int32_t*>(buf.data() + layout.ids_offset(s, 0));
-        for (int64_t i = 0; i < (tokens - s) * k; ++i) wrong_ids += ids[i] != S.idx_host[static_cast<size_t>(i)];
-        for (int64_t t = 0; t < tokens - s; ++t) {
+        for (int64_t i = 0; i < n * k; ++i) wrong_ids += ids[i] != S.idx_host[static_cast<size_t>(i)];
+        for (int64_t i = n * k; i < tokens * k; ++i) wrong_ids += ids[i] != 0x7F7F7F7F;  // past the count: untouched
+        for (int64_t t = 0; t < tokens; ++t) {  // tokens past the count must stay untouched
           bool goes = false;
-          for (int j = 0; j < k; ++j) {
+          for (int j = 0; j < k && t < n; ++j) {
             const int e = S.idx_host[static_cast<size_t>(t * k + j)];
             goes = goes || (e >= 0 && e / per_rank == d);
           }
@@ -124,6 +133,8 @@ void push_and_check(const std::vector<int>& devices) {
           }
         }
       }
+      EXPECT_EQ(flags[d], 0xA5A5A5A5u) << "rank " << d << " wrote its own flag";
+      EXPECT_EQ(counts[d], 0xA5A5A5A5u) << "rank " << d << " wrote its own count";
       EXPECT_EQ(wrong_rows, 0) << "rank " << d << ", epoch " << epoch;
       EXPECT_EQ(wrong_ids, 0) << "rank " << d << "'s copy of the routing, epoch " << epoch;
       EXPECT_GT(sent, 0) << "rank " << d << " received nothing: the test would prove little";

@@ -41,15 +41,16 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (atomicAdd(a.blocks_done, 1u) != gridDim.x - 1) return;
+  // atomicInc wraps the counter to 0 in the same atomic step as the last
+  // block's increment, so the next call finds it at 0 whatever came before.
+  if (atomicInc(a.blocks_done, gridDim.x - 1) != gridDim.x - 1) return;
   __threadfence_system();
-  *a.blocks_done = 0;
   for (int d = 0; d < v.world; ++d) {
     if (d == v.rank) continue;
     char* peer = static_cast<char*>(v.peers[d]);
     reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] = static_cast<uint32_t>(a.tokens);
     auto* flag = reinterpret_cast<uint32_t*>(peer) + v.rank;
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
+    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
   }
 }
 
@@ -74,6 +75,9 @@ Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const Disp
   if (a.epoch == 0) return invalid_argument("dispatch: epoch 0 is the flags' initial value; start at 1");
   if (a.x == nullptr || a.topk_idx == nullptr || a.blocks_done == nullptr)
     return invalid_argument("dispatch: a pointer is null");
+  // Rows move as 16-byte pieces.
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0 || reinterpret_cast<uintptr_t>(v.local) % 16 != 0)
+    return invalid_argument("dispatch: x and the symmetric buffer must be 16-byte aligned");
   const int64_t blocks = std::min<int64_t>((a.tokens + kWarps - 1) / kWarps, 1024);
   push_rows_kernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks), kWarps * 32, 0, stream>>>(v, layout, a);
   return cuda_status("dispatch: push", cudaGetLastError());

@@ -50,13 +50,19 @@ struct DispatchLayout {
   MEGAMOE_HD size_t bytes() const { return ids_offset(world, 0); }
 };
 
+// Not yet: a sender does not wait for the receiver to be done with the slots,
+// ids and count of the previous call before it overwrites them. Until the
+// consumer side exists (and with it a per-(source, destination) "consumed"
+// epoch the sender waits on, or buffers alternating by epoch parity), a
+// caller must order calls itself.
 struct DispatchArgs {
   const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
   int64_t tokens = 0;
   int experts_per_rank = 0;
   uint32_t epoch = 0;                 // > 0, growing from call to call
-  uint32_t* blocks_done = nullptr;    // device u32, 0 before the first call (the kernel leaves it 0)
+  uint32_t* blocks_done = nullptr;    // device u32, 0 before the first call (the kernel leaves it 0);
+                                      // one per stream: concurrent calls must not share it
 };
 
 // Async on `stream`; the rows and flags land on the peers when it completes.
