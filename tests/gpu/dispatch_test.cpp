@@ -1,0 +1,187 @@
+// Expert-parallel dispatch, the push (cuda/comm/dispatch.h), on the
+// one-process peer-memory provider: P = 4 ranks on one GPU (any GPU) and
+// P = 2 on two GPUs (MultiGpu.*). Every rank's x rows carry a payload that
+// encodes (rank, token, column); after the push, slot [s][t] of rank d must
+// hold rank s's row t exactly when one of that token's experts lives on d,
+// and still hold its poison otherwise; rank d's copy of rank s's routing and
+// token count must equal rank s's (ranks have different token counts); every
+// flag [s] of rank d (s != d) must hold the call's epoch. A second call with
+// other routing and epoch 2 too.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "cuda/comm/dispatch.h"
+#include "cuda/comm/peer_memory.h"
+#include "gpu_test_util.h"
+
+namespace megamoe::testing {
+namespace {
+
+uint16_t payload(int rank, int64_t token, int64_t col) {
+  return static_cast<uint16_t>((rank * 7919 + token * 131 + col * 17 + 1) & 0x7FFF);  // never 0xFFFF (the poison)
+}
+
+void push_and_check(const std::vector<int>& devices) {
+  const int world = static_cast<int>(devices.size());
+  const int experts = 4 * world, per_rank = 4, k = 3;
+  const int64_t tokens = 300, hidden = 128;
+  cuda::DispatchLayout layout;
+  layout.world = world, layout.max_tokens = tokens, layout.hidden = hidden, layout.top_k = k;
+  std::unique_ptr<cuda::PeerGroup> group;
+  MEGAMOE_ASSERT_OK(cuda::make_one_process_group(devices, layout.bytes(), &group));
+
+  struct Rank {
+    void* x = nullptr;
+    int32_t* idx = nullptr;
+    uint32_t* done = nullptr;
+    std::vector<uint16_t> x_host;
+    std::vector<int32_t> idx_host;
+  };
+  std::vector<Rank> ranks(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+    Rank& R = ranks[static_cast<size_t>(r)];
+    ASSERT_EQ(cudaMalloc(&R.x, tokens * hidden * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&R.idx, tokens * k * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&R.done, 4), cudaSuccess);
+    ASSERT_EQ(cudaMemset(R.done, 0, 4), cudaSuccess);
+    R.x_host.resize(static_cast<size_t>(tokens * hidden));
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t c = 0; c < hidden; ++c) R.x_host[static_cast<size_t>(t * hidden + c)] = payload(r, t, c);
+    ASSERT_EQ(cudaMemcpy(R.x, R.x_host.data(), tokens * hidden * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+
+  // Token counts differ by rank and by call, so a count that was not written shows.
+  auto count = [&](int r, uint32_t epoch) { return tokens - r - 7 * static_cast<int64_t>(epoch - 1); };
+  std::mt19937 rng(5);
+  for (uint32_t epoch = 1; epoch <= 2; ++epoch) {
+    // Fresh routing (k distinct experts per token, some routes dropped) and poisoned receive areas.
+    for (int r = 0; r < world; ++r) {
+      Rank& R = ranks[static_cast<size_t>(r)];
+      R.idx_host.assign(static_cast<size_t>(tokens * k), -1);
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::vector<int> pick(static_cast<size_t>(experts));
+        for (int e = 0; e < experts; ++e) pick[static_cast<size_t>(e)] = e;
+        std::shuffle(pick.begin(), pick.end(), rng);
+        for (int j = 0; j < k; ++j)
+          R.idx_host[static_cast<size_t>(t * k + j)] = rng() % 10 == 0 ? -1 : pick[static_cast<size_t>(j)];
+      }
+      ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(R.idx, R.idx_host.data(), tokens * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      // Poison: rows 0xFF (never a payload), the header (flags, counts) 0xA5, and the
+      // routing copies 0x7F7F7F7F (neither an expert id nor -1, "no route").
+      const cuda::PeerView v = group->view(r);
+      char* base = static_cast<char*>(v.local);
+      ASSERT_EQ(cudaMemset(base, 0xA5, cuda::DispatchLayout::kRecvOffset), cudaSuccess);
+      ASSERT_EQ(cudaMemset(base + cuda::DispatchLayout::kRecvOffset, 0xFF,
+                           layout.ids_offset() - cuda::DispatchLayout::kRecvOffset),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemset(base + layout.ids_offset(), 0x7F, layout.bytes() - layout.ids_offset()), cudaSuccess);
+    }
+    for (int d : devices) {
+      ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+      cuda::DispatchArgs a;
+      a.x = ranks[static_cast<size_t>(r)].x, a.topk_idx = ranks[static_cast<size_t>(r)].idx;
+      a.tokens = count(r, epoch), a.experts_per_rank = per_rank, a.epoch = epoch;
+      a.blocks_done = ranks[static_cast<size_t>(r)].done;
+      MEGAMOE_ASSERT_OK(cuda::dispatch_push(group->view(r), layout, a, nullptr));
+    }
+    for (int d : devices) {
+      ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    for (int d = 0; d < world; ++d) {
+      std::vector<uint8_t> buf(layout.bytes());
+      ASSERT_EQ(cudaMemcpy(buf.data(), group->view(d).local, buf.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      const auto* flags = reinterpret_cast<const uint32_t*>(buf.data());
+      const auto* counts = reinterpret_cast<const uint32_t*>(buf.data() + cuda::DispatchLayout::kTokensOffset);
+      int64_t wrong_rows = 0, wrong_ids = 0, sent = 0;
+      for (int s = 0; s < world; ++s) {
+        if (s == d) continue;
+        EXPECT_EQ(flags[s], epoch) << "rank " << d << "'s flag from rank " << s;
+        const int64_t n = count(s, epoch);
+        EXPECT_EQ(counts[s], static_cast<uint32_t>(n)) << "rank " << d << "'s token count of rank " << s;
+        const Rank& S = ranks[static_cast<size_t>(s)];
+        const auto* ids = reinterpret_cast<const int32_t*>(buf.data() + layout.ids_offset(s, 0));
+        for (int64_t i = 0; i < n * k; ++i) wrong_ids += ids[i] != S.idx_host[static_cast<size_t>(i)];
+        for (int64_t i = n * k; i < tokens * k; ++i) wrong_ids += ids[i] != 0x7F7F7F7F;  // past the count: untouched
+        for (int64_t t = 0; t < tokens; ++t) {  // tokens past the count must stay untouched
+          bool goes = false;
+          for (int j = 0; j < k && t < n; ++j) {
+            const int e = S.idx_host[static_cast<size_t>(t * k + j)];
+            goes = goes || (e >= 0 && e / per_rank == d);
+          }
+          sent += goes;
+          const auto* slot = reinterpret_cast<const uint16_t*>(buf.data() + layout.slot_offset(s, t));
+          for (int64_t c = 0; c < hidden; ++c) {
+            const uint16_t want = goes ? S.x_host[static_cast<size_t>(t * hidden + c)] : uint16_t{0xFFFF};
+            if (slot[c] != want) {
+              ++wrong_rows;
+              break;
+            }
+          }
+        }
+      }
+      EXPECT_EQ(flags[d], 0xA5A5A5A5u) << "rank " << d << " wrote its own flag";
+      EXPECT_EQ(counts[d], 0xA5A5A5A5u) << "rank " << d << " wrote its own count";
+      EXPECT_EQ(wrong_rows, 0) << "rank " << d << ", epoch " << epoch;
+      EXPECT_EQ(wrong_ids, 0) << "rank " << d << "'s copy of the routing, epoch " << epoch;
+      EXPECT_GT(sent, 0) << "rank " << d << " received nothing: the test would prove little";
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    cudaSetDevice(group->device(r));
+    cudaFree(ranks[static_cast<size_t>(r)].x);
+    cudaFree(ranks[static_cast<size_t>(r)].idx);
+    cudaFree(ranks[static_cast<size_t>(r)].done);
+  }
+  cudaSetDevice(0);
+}
+
+TEST(Dispatch, FourRanksOnOneGpuPushEveryRowOncePerRank) {
+  MEGAMOE_REQUIRE_GPU();
+  push_and_check({0, 0, 0, 0});
+}
+
+TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {
+  cuda::DispatchLayout layout;
+  layout.world = 2, layout.max_tokens = 10, layout.hidden = 128, layout.top_k = 1;
+  void* fake[2] = {reinterpret_cast<void*>(0x1000), reinterpret_cast<void*>(0x2000)};
+  cuda::PeerView v;
+  v.rank = 0, v.world = 2, v.local = fake[0], v.peers = fake, v.bytes = layout.bytes();
+  uint32_t done = 0;
+  int32_t idx = 0;
+  uint16_t x = 0;
+  cuda::DispatchArgs a;
+  a.x = &x, a.topk_idx = &idx, a.tokens = 11, a.experts_per_rank = 1, a.epoch = 1, a.blocks_done = &done;
+  Status st = cuda::dispatch_push(v, layout, a, nullptr);
+  EXPECT_NE(st.message().find("11 tokens, but the receive area holds 10 per source rank"), std::string::npos)
+      << st.to_string();
+  a.tokens = 10, a.epoch = 0;
+  st = cuda::dispatch_push(v, layout, a, nullptr);
+  EXPECT_NE(st.message().find("epoch 0"), std::string::npos) << st.to_string();
+  a.epoch = 1;
+  v.bytes = layout.bytes() - 1;
+  st = cuda::dispatch_push(v, layout, a, nullptr);
+  EXPECT_NE(st.message().find("symmetric buffer has"), std::string::npos) << st.to_string();
+}
+
+TEST(MultiGpu, DispatchPushOverNvlink) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
+  push_and_check({0, 1});
+}
+
+}  // namespace
+}  // namespace megamoe::testing
