@@ -1,4 +1,5 @@
-// Expert-parallel dispatch, the push (cuda/comm/dispatch.h), on the
+// Expert-parallel dispatch, the push (cuda/comm/dispatch.h) and the owner's
+// routing built from it (cuda/comm/ep_routing.h), on the
 // one-process peer-memory provider: P = 4 ranks on one GPU (any GPU) and
 // P = 2 on two GPUs (MultiGpu.*). Every rank's x rows carry a payload that
 // encodes (rank, token, column); after the push, slot [s][t] of rank d must
@@ -17,7 +18,11 @@
 #include <random>
 #include <vector>
 
+#include "core/routing_plan.h"
 #include "cuda/comm/dispatch.h"
+#include "cuda/comm/ep_routing.h"
+#include "cuda/common/device_errors.h"
+#include "cuda/moe/device_plan.h"
 #include "cuda/comm/peer_memory.h"
 #include "gpu_test_util.h"
 
@@ -26,6 +31,71 @@ namespace {
 
 uint16_t payload(int rank, int64_t token, int64_t col) {
   return static_cast<uint16_t>((rank * 7919 + token * 131 + col * 17 + 1) & 0x7FFF);  // never 0xFFFF (the poison)
+}
+
+// After a push: rank d's virtual routing (cuda/comm/ep_routing.h) planned by
+// the one-GPU plan kernels must give rank d's part of the EP routing plan
+// that the host builds from every rank's routing (core/routing_plan.h):
+// the same expert segments and the same (source, token, slot) in every pool row.
+void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::DispatchLayout& layout,
+                              const std::vector<std::vector<int32_t>>& idx, const std::vector<int64_t>& counts,
+                              const std::vector<const int32_t*>& idx_dev, int experts, uint32_t epoch) {
+  const int world = layout.world, k = layout.top_k, L = experts / world;
+  RoutingShape shape;
+  shape.num_ranks = world, shape.num_experts = experts, shape.top_k = k, shape.max_tokens_per_rank = layout.max_tokens;
+  std::vector<const int32_t*> host_idx;
+  for (const auto& v : idx) host_idx.push_back(v.data());
+  RoutingPlan reference;
+  MEGAMOE_ASSERT_OK(build_routing_plan(shape, host_idx, counts, &reference));
+  cuda::DeviceErrorSink errors;
+  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &errors));
+  errors.timeout_ns = test_wait_timeout_ns();
+  const int64_t V = world * layout.max_tokens, chunks = V / 256 + 1;
+  const int64_t capacity = (V * k + L * 127 + 127) / 128 * 128;
+  for (int d = 0; d < world; ++d) {
+    ASSERT_EQ(cudaSetDevice(group.device(d)), cudaSuccess);
+    int32_t *virt = nullptr, *ints = nullptr;
+    ASSERT_EQ(cudaMalloc(&virt, V * k * 4), cudaSuccess);
+    const int64_t n_ints = 4 + 2 * chunks * L + L + (L + 1) + capacity / 128 + V * k + capacity;
+    ASSERT_EQ(cudaMalloc(&ints, n_ints * 4), cudaSuccess);
+    cuda::DevicePlanBuffers b;
+    int32_t* at = ints;
+    b.error_key = reinterpret_cast<unsigned long long*>(at), at += 4;
+    b.chunk_counts = at, at += 2 * chunks * L;
+    b.expert_rows = at, at += L;
+    b.expert_offset = at, at += L + 1;
+    b.tile_expert = at, at += capacity / 128;
+    b.route_row = at, at += V * k;
+    b.row_src = at;
+    cuda::EpRoutingArgs a;
+    a.buffer = group.view(d).local, a.rank = d, a.own_topk_idx = idx_dev[static_cast<size_t>(d)];
+    a.own_tokens = counts[static_cast<size_t>(d)], a.experts_per_rank = L, a.epoch = epoch, a.errors = errors;
+    a.virtual_idx = virt;
+    MEGAMOE_ASSERT_OK(cuda::build_ep_virtual_routing(layout, a, nullptr));
+    MEGAMOE_ASSERT_OK(cuda::build_device_plan(virt, V, k, L, b, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    MEGAMOE_ASSERT_OK(cuda::take_device_error(0, nullptr));
+    const RankPlan& want = reference.ranks[static_cast<size_t>(d)];
+    std::vector<int32_t> offset(static_cast<size_t>(L + 1));
+    ASSERT_EQ(cudaMemcpy(offset.data(), b.expert_offset, (L + 1) * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int l = 0; l <= L; ++l)
+      EXPECT_EQ(offset[static_cast<size_t>(l)], want.expert_offset[static_cast<size_t>(l)]) << "rank " << d << " expert " << l;
+    const int64_t rows = want.pool_rows();
+    std::vector<int32_t> src(static_cast<size_t>(rows));
+    ASSERT_EQ(cudaMemcpy(src.data(), b.row_src, rows * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t wrong = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const RowSource& w = want.row_source[static_cast<size_t>(r)];
+      const int32_t v = src[static_cast<size_t>(r)];
+      const bool same = w.rank < 0 ? v < 0
+                                   : v >= 0 && v / k / layout.max_tokens == w.rank &&
+                                         v / k % layout.max_tokens == w.token && v % k == w.slot;
+      wrong += !same;
+    }
+    EXPECT_EQ(wrong, 0) << "rank " << d << ": pool rows whose source differs from the host plan, of " << rows;
+    cudaFree(virt);
+    cudaFree(ints);
+  }
 }
 
 void push_and_check(const std::vector<int>& devices) {
@@ -139,6 +209,17 @@ void push_and_check(const std::vector<int>& devices) {
       EXPECT_EQ(wrong_ids, 0) << "rank " << d << "'s copy of the routing, epoch " << epoch;
       EXPECT_GT(sent, 0) << "rank " << d << " received nothing: the test would prove little";
     }
+    std::vector<std::vector<int32_t>> idx;
+    std::vector<int64_t> counts;
+    std::vector<const int32_t*> idx_dev;
+    for (int r = 0; r < world; ++r) {
+      const int64_t n = count(r, epoch);
+      const auto& h = ranks[static_cast<size_t>(r)].idx_host;
+      idx.emplace_back(h.begin(), h.begin() + n * k);
+      counts.push_back(n);
+      idx_dev.push_back(ranks[static_cast<size_t>(r)].idx);
+    }
+    expect_owner_plans_match(*group, layout, idx, counts, idx_dev, experts, epoch);
   }
   for (int r = 0; r < world; ++r) {
     cudaSetDevice(group->device(r));
@@ -152,6 +233,33 @@ void push_and_check(const std::vector<int>& devices) {
 TEST(Dispatch, FourRanksOnOneGpuPushEveryRowOncePerRank) {
   MEGAMOE_REQUIRE_GPU();
   push_and_check({0, 0, 0, 0});
+}
+
+// A rank that never enters the call: the owner's routing wait gives up after
+// its bound and the error names the missing rank; the context stays usable.
+TEST(Dispatch, ARankThatNeverDeliversIsNamed) {
+  MEGAMOE_REQUIRE_GPU();
+  cuda::DispatchLayout layout;
+  layout.world = 2, layout.max_tokens = 64, layout.hidden = 128, layout.top_k = 2;
+  std::unique_ptr<cuda::PeerGroup> group;
+  MEGAMOE_ASSERT_OK(cuda::make_one_process_group({0, 0}, layout.bytes(), &group));
+  int32_t* virt = nullptr;
+  int32_t* own = nullptr;
+  ASSERT_EQ(cudaMalloc(&virt, 2 * 64 * 2 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&own, 64 * 2 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(own, 0xFF, 64 * 2 * 4), cudaSuccess);  // every route -1
+  cuda::EpRoutingArgs a;
+  a.buffer = group->view(0).local, a.rank = 0, a.own_topk_idx = own, a.own_tokens = 64, a.experts_per_rank = 2;
+  a.epoch = 1, a.virtual_idx = virt;  // rank 1 never pushed: its flag stays 0
+  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &a.errors));
+  a.errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
+  MEGAMOE_ASSERT_OK(cuda::build_ep_virtual_routing(layout, a, nullptr));
+  const Status st = cuda::sync_and_take_device_error(0, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("EP routing: rank 1 never delivered its dispatch"), std::string::npos) << st.message();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaFree(virt);
+  cudaFree(own);
 }
 
 TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {

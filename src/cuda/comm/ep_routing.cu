@@ -1,0 +1,79 @@
+#include "cuda/comm/ep_routing.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/common/cuda_status.h"
+
+namespace megamoe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Grid (blocks per source, world): blockIdx.y is the source rank.
+__global__ void virtual_routing_kernel(DispatchLayout layout, EpRoutingArgs a) {
+  __shared__ int64_t count;
+  const int s = blockIdx.y;
+  const auto* base = static_cast<const char*>(a.buffer);
+  if (threadIdx.x == 0) {
+    int64_t n = a.own_tokens;
+    if (s != a.rank) {
+      const auto* flag = reinterpret_cast<const uint32_t*>(base) + s;
+      const uint64_t start = global_timer_ns();
+      n = -1;
+      for (;;) {
+        if (load_acquire_sys(flag) >= a.epoch) {
+          n = reinterpret_cast<const uint32_t*>(base + DispatchLayout::kTokensOffset)[s];
+          break;
+        }
+        const uint64_t waited = global_timer_ns() - start;
+        if (waited >= a.errors.timeout_ns) {
+          if (blockIdx.x == 0) report_timeout(a.errors, kKernelEpRouting, kBarrierPeer, static_cast<uint32_t>(s), waited);
+          break;
+        }
+      }
+    }
+    count = n;
+  }
+  __syncthreads();  // the acquire above orders every thread's reads of rank s's routing after the flag
+  const int k = layout.top_k;
+  const int64_t n = count;
+  const int32_t* ids = s == a.rank ? a.own_topk_idx
+                                   : reinterpret_cast<const int32_t*>(base + layout.ids_offset(s, 0));
+  int32_t* out = a.virtual_idx + static_cast<int64_t>(s) * layout.max_tokens * k;
+  const int64_t entries = layout.max_tokens * k;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < entries;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int32_t e = i / k < n ? ids[i] : -1;
+    out[i] = e >= 0 && e / a.experts_per_rank == a.rank ? e % a.experts_per_rank : -1;
+  }
+}
+
+}  // namespace
+
+Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArgs& a, cudaStream_t stream) {
+  if (layout.world < 1 || layout.world > 8 || a.rank < 0 || a.rank >= layout.world)
+    return invalid_argument("EP routing: rank " + std::to_string(a.rank) + " of " + std::to_string(layout.world));
+  if (layout.top_k < 1 || layout.top_k > 32 || layout.max_tokens < 0)
+    return invalid_argument("EP routing: a bad layout (top_k " + std::to_string(layout.top_k) + ")");
+  if (a.own_tokens < 0 || a.own_tokens > layout.max_tokens)
+    return invalid_argument("EP routing: " + std::to_string(a.own_tokens) + " own tokens, more than max_tokens = " +
+                            std::to_string(layout.max_tokens));
+  if (a.experts_per_rank < 1) return invalid_argument("EP routing: experts_per_rank must be >= 1");
+  if (a.epoch == 0) return invalid_argument("EP routing: epoch 0 is the flags' initial value; start at 1");
+  if (a.buffer == nullptr || a.virtual_idx == nullptr || (a.own_tokens > 0 && a.own_topk_idx == nullptr))
+    return invalid_argument("EP routing: a pointer is null");
+  const int64_t entries = layout.max_tokens * layout.top_k;
+  const int64_t per_source = std::max<int64_t>(1, std::min<int64_t>((entries + kThreads - 1) / kThreads, 256));
+  virtual_routing_kernel<<<dim3(static_cast<unsigned>(per_source), static_cast<unsigned>(layout.world)), kThreads, 0,
+                           stream>>>(layout, a);
+  return cuda_status("EP routing", cudaGetLastError());
+}
+
+}  // namespace megamoe::cuda

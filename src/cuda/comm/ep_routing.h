@@ -1,0 +1,44 @@
+// Expert parallelism, the owner's side of the routing: from the routing every
+// source rank delivered with its dispatch (cuda/comm/dispatch.h) and this
+// rank's own, the "virtual token list" that lets the one-GPU routing plan
+// (cuda/moe/device_plan.h) build this rank's pool as docs/routing-plan.md
+// orders it.
+//
+// Virtual token v = s * max_tokens + t is token t of source rank s (tokens
+// at or past rank s's count are empty). Its k entries are the token's experts
+// that live on this rank, as local ids (e - rank * experts_per_rank), and -1
+// for the others. Planned over V = world * max_tokens virtual tokens and L =
+// experts_per_rank experts, an expert's rows come in (source rank, token)
+// order, exactly the EP plan's order; row_src = v * k + j names source s = v /
+// max_tokens, token t = v % max_tokens and slot j.
+//
+// Before it reads a source's routing the kernel waits (bounded by
+// errors.timeout_ns; system-scope acquire) for that source's flag to reach
+// `epoch`; a source that never comes is reported (kBarrierPeer, naming the
+// rank) and its virtual tokens are left empty. No host synchronisation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/comm/dispatch.h"
+#include "cuda/common/device_errors.h"
+#include "megamoe/status.h"
+
+namespace megamoe::cuda {
+
+struct EpRoutingArgs {
+  const void* buffer = nullptr;       // this rank's symmetric buffer (DispatchLayout)
+  int rank = 0;
+  const int32_t* own_topk_idx = nullptr;  // [own_tokens, top_k] global ids
+  int64_t own_tokens = 0;
+  int experts_per_rank = 0;
+  uint32_t epoch = 0;
+  DeviceErrorSink errors;
+  int32_t* virtual_idx = nullptr;     // out: [world * max_tokens, top_k] local ids or -1
+};
+
+Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArgs& args, cudaStream_t stream);
+
+}  // namespace megamoe::cuda
