@@ -37,9 +37,12 @@ uint16_t payload(int rank, int64_t token, int64_t col) {
 // the one-GPU plan kernels must give rank d's part of the EP routing plan
 // that the host builds from every rank's routing (core/routing_plan.h):
 // the same expert segments and the same (source, token, slot) in every pool row.
+// Then each rank's pool gathered from where the rows landed (gather_ep_rows)
+// must hold, in every row, the x row of the (source, token) the plan names.
 void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::DispatchLayout& layout,
                               const std::vector<std::vector<int32_t>>& idx, const std::vector<int64_t>& counts,
-                              const std::vector<const int32_t*>& idx_dev, int experts, uint32_t epoch) {
+                              const std::vector<const int32_t*>& idx_dev, const std::vector<const void*>& x_dev,
+                              int experts, uint32_t epoch) {
   const int world = layout.world, k = layout.top_k, L = experts / world;
   RoutingShape shape;
   shape.num_ranks = world, shape.num_experts = experts, shape.top_k = k, shape.max_tokens_per_rank = layout.max_tokens;
@@ -93,6 +96,27 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
       wrong += !same;
     }
     EXPECT_EQ(wrong, 0) << "rank " << d << ": pool rows whose source differs from the host plan, of " << rows;
+    const int64_t H = layout.hidden;
+    uint16_t* pool = nullptr;
+    ASSERT_EQ(cudaMalloc(&pool, capacity * H * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemset(pool, 0xFF, capacity * H * 2), cudaSuccess);
+    MEGAMOE_ASSERT_OK(cuda::gather_ep_rows(layout, group.view(d).local, d, x_dev[static_cast<size_t>(d)], b.row_src,
+                                           b.expert_offset + L, capacity, pool, nullptr));
+    std::vector<uint16_t> got(static_cast<size_t>(rows * H));
+    ASSERT_EQ(cudaMemcpy(got.data(), pool, rows * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t wrong_pool_rows = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const RowSource& w = want.row_source[static_cast<size_t>(r)];
+      for (int64_t c = 0; c < H; ++c) {
+        const uint16_t expect = w.rank < 0 ? uint16_t{0} : payload(w.rank, w.token, c);
+        if (got[static_cast<size_t>(r * H + c)] != expect) {
+          ++wrong_pool_rows;
+          break;
+        }
+      }
+    }
+    EXPECT_EQ(wrong_pool_rows, 0) << "rank " << d << ": gathered pool rows that are not their source's x row";
+    cudaFree(pool);
     cudaFree(virt);
     cudaFree(ints);
   }
@@ -212,14 +236,16 @@ void push_and_check(const std::vector<int>& devices) {
     std::vector<std::vector<int32_t>> idx;
     std::vector<int64_t> counts;
     std::vector<const int32_t*> idx_dev;
+    std::vector<const void*> x_dev;
     for (int r = 0; r < world; ++r) {
+      x_dev.push_back(ranks[static_cast<size_t>(r)].x);
       const int64_t n = count(r, epoch);
       const auto& h = ranks[static_cast<size_t>(r)].idx_host;
       idx.emplace_back(h.begin(), h.begin() + n * k);
       counts.push_back(n);
       idx_dev.push_back(ranks[static_cast<size_t>(r)].idx);
     }
-    expect_owner_plans_match(*group, layout, idx, counts, idx_dev, experts, epoch);
+    expect_owner_plans_match(*group, layout, idx, counts, idx_dev, x_dev, experts, epoch);
   }
   for (int r = 0; r < world; ++r) {
     cudaSetDevice(group->device(r));

@@ -55,7 +55,42 @@ __global__ void virtual_routing_kernel(DispatchLayout layout, EpRoutingArgs a) {
   }
 }
 
+__global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer, int rank, const uint4* own_x,
+                                      const int32_t* row_src, const int32_t* pool_rows, uint4* pool) {
+  const int64_t chunks = layout.slot_bytes() / 16;
+  const int64_t total = static_cast<int64_t>(*pool_rows) * chunks;
+  const int k = layout.top_k;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / chunks, c = i % chunks;
+    const int32_t v = row_src[r];
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (v >= 0) {
+      const int s = static_cast<int>(v / k / layout.max_tokens);
+      const int64_t t = v / k % layout.max_tokens;
+      value = s == rank ? own_x[t * chunks + c]
+                        : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(s, t))[c];
+    }
+    pool[i] = value;
+  }
+}
+
 }  // namespace
+
+Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
+                      const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
+                      cudaStream_t stream) {
+  if (layout.slot_bytes() % 16 != 0 || layout.top_k < 1)
+    return invalid_argument("EP gather: hidden must be a multiple of 8 and top_k >= 1");
+  if (buffer == nullptr || own_x == nullptr || row_src == nullptr || pool_rows == nullptr || pool == nullptr)
+    return invalid_argument("EP gather: a pointer is null");
+  const int64_t work = capacity * static_cast<int64_t>(layout.slot_bytes() / 16);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096));
+  gather_ep_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      layout, static_cast<const char*>(buffer), rank, static_cast<const uint4*>(own_x), row_src, pool_rows,
+      static_cast<uint4*>(pool));
+  return cuda_status("EP gather", cudaGetLastError());
+}
 
 Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArgs& a, cudaStream_t stream) {
   if (layout.world < 1 || layout.world > 8 || a.rank < 0 || a.rank >= layout.world)

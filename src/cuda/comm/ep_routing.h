@@ -41,4 +41,14 @@ struct EpRoutingArgs {
 
 Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArgs& args, cudaStream_t stream);
 
+// The owner's pool [capacity, hidden] bf16 from where the rows are: pool row r
+// with row_src[r] = v * k + j (v = s * max_tokens + t) is token t of rank s,
+// read from own_x for this rank's own tokens, else from slot [s][t] of the
+// receive area in `buffer`; padding rows (row_src -1) are zeros. Rows past
+// *pool_rows are not touched. (A copy for now; the GEMM's producer is to read
+// the rows in place once it gathers.)
+Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
+                      const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
+                      cudaStream_t stream);
+
 }  // namespace megamoe::cuda
