@@ -50,15 +50,28 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
   for (const auto& v : idx) host_idx.push_back(v.data());
   RoutingPlan reference;
   MEGAMOE_ASSERT_OK(build_routing_plan(shape, host_idx, counts, &reference));
-  cuda::DeviceErrorSink errors;
-  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &errors));
-  errors.timeout_ns = test_wait_timeout_ns();
   const int64_t V = world * layout.max_tokens, chunks = V / 256 + 1;
   const int64_t capacity = (V * k + L * 127 + 127) / 128 * 128;
   for (int d = 0; d < world; ++d) {
-    ASSERT_EQ(cudaSetDevice(group.device(d)), cudaSuccess);
+    const int dev = group.device(d);
+    ASSERT_EQ(cudaSetDevice(dev), cudaSuccess);
+    cuda::DeviceErrorSink errors;
+    MEGAMOE_ASSERT_OK(cuda::device_error_sink(dev, &errors));
+    errors.timeout_ns = test_wait_timeout_ns();
+    // A source's routing past its token count must not count: make it routes this rank hosts.
+    for (int s = 0; s < world; ++s) {
+      if (s == d) continue;
+      const std::vector<int32_t> hosted(static_cast<size_t>((layout.max_tokens - counts[static_cast<size_t>(s)]) * k),
+                                        d * L);
+      ASSERT_EQ(cudaMemcpy(static_cast<char*>(group.view(d).local) +
+                               layout.ids_offset(s, counts[static_cast<size_t>(s)]),
+                           hosted.data(), hosted.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
     int32_t *virt = nullptr, *ints = nullptr;
+    int64_t* source_counts = nullptr;
     ASSERT_EQ(cudaMalloc(&virt, V * k * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&source_counts, world * 8), cudaSuccess);
     const int64_t n_ints = 4 + 2 * chunks * L + L + (L + 1) + capacity / 128 + V * k + capacity;
     ASSERT_EQ(cudaMalloc(&ints, n_ints * 4), cudaSuccess);
     cuda::DevicePlanBuffers b;
@@ -73,11 +86,11 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
     cuda::EpRoutingArgs a;
     a.buffer = group.view(d).local, a.rank = d, a.own_topk_idx = idx_dev[static_cast<size_t>(d)];
     a.own_tokens = counts[static_cast<size_t>(d)], a.experts_per_rank = L, a.epoch = epoch, a.errors = errors;
-    a.virtual_idx = virt;
+    a.virtual_idx = virt, a.source_counts = source_counts;
     MEGAMOE_ASSERT_OK(cuda::build_ep_virtual_routing(layout, a, nullptr));
     MEGAMOE_ASSERT_OK(cuda::build_device_plan(virt, V, k, L, b, nullptr));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    MEGAMOE_ASSERT_OK(cuda::take_device_error(0, nullptr));
+    MEGAMOE_ASSERT_OK(cuda::take_device_error(dev, nullptr));
     const RankPlan& want = reference.ranks[static_cast<size_t>(d)];
     std::vector<int32_t> offset(static_cast<size_t>(L + 1));
     ASSERT_EQ(cudaMemcpy(offset.data(), b.expert_offset, (L + 1) * 4, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -119,6 +132,7 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
     cudaFree(pool);
     cudaFree(virt);
     cudaFree(ints);
+    cudaFree(source_counts);
   }
 }
 
@@ -266,26 +280,48 @@ TEST(Dispatch, FourRanksOnOneGpuPushEveryRowOncePerRank) {
 TEST(Dispatch, ARankThatNeverDeliversIsNamed) {
   MEGAMOE_REQUIRE_GPU();
   cuda::DispatchLayout layout;
-  layout.world = 2, layout.max_tokens = 64, layout.hidden = 128, layout.top_k = 2;
+  layout.world = 2, layout.max_tokens = 1024, layout.hidden = 128, layout.top_k = 2;
+  const int64_t entries = layout.max_tokens * layout.top_k;
   std::unique_ptr<cuda::PeerGroup> group;
   MEGAMOE_ASSERT_OK(cuda::make_one_process_group({0, 0}, layout.bytes(), &group));
-  int32_t* virt = nullptr;
-  int32_t* own = nullptr;
-  ASSERT_EQ(cudaMalloc(&virt, 2 * 64 * 2 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&own, 64 * 2 * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(own, 0xFF, 64 * 2 * 4), cudaSuccess);  // every route -1
+  int32_t *virt = nullptr, *own = nullptr;
+  int64_t* source_counts = nullptr;
+  ASSERT_EQ(cudaMalloc(&virt, 2 * entries * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&own, entries * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&source_counts, 2 * 8), cudaSuccess);
+  // Rank 0's own routes: token t to experts t % 4 and (t + 1) % 4 (experts 0, 1 live on rank 0).
+  std::vector<int32_t> own_host(static_cast<size_t>(entries));
+  for (int64_t t = 0; t < layout.max_tokens; ++t)
+    for (int j = 0; j < 2; ++j) own_host[static_cast<size_t>(t * 2 + j)] = static_cast<int32_t>((t + j) % 4);
+  ASSERT_EQ(cudaMemcpy(own, own_host.data(), entries * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(virt, 0x7F, 2 * entries * 4), cudaSuccess);
   cuda::EpRoutingArgs a;
-  a.buffer = group->view(0).local, a.rank = 0, a.own_topk_idx = own, a.own_tokens = 64, a.experts_per_rank = 2;
-  a.epoch = 1, a.virtual_idx = virt;  // rank 1 never pushed: its flag stays 0
-  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &a.errors));
+  a.buffer = group->view(0).local, a.rank = 0, a.own_topk_idx = own, a.own_tokens = layout.max_tokens;
+  a.experts_per_rank = 2, a.epoch = 1, a.virtual_idx = virt, a.source_counts = source_counts;
+  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &a.errors));  // rank 1 never pushed: its flag stays 0
   a.errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
   MEGAMOE_ASSERT_OK(cuda::build_ep_virtual_routing(layout, a, nullptr));
   const Status st = cuda::sync_and_take_device_error(0, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   EXPECT_NE(st.message().find("EP routing: rank 1 never delivered its dispatch"), std::string::npos) << st.message();
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  // The rank's own part is built all the same; the missing rank's part is empty.
+  std::vector<int32_t> got(static_cast<size_t>(2 * entries));
+  ASSERT_EQ(cudaMemcpy(got.data(), virt, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t wrong_own = 0, wrong_missing = 0;
+  for (int64_t i = 0; i < entries; ++i) {
+    const int32_t e = own_host[static_cast<size_t>(i)];
+    wrong_own += got[static_cast<size_t>(i)] != (e < 2 ? e : -1);
+    wrong_missing += got[static_cast<size_t>(entries + i)] != -1;
+  }
+  EXPECT_EQ(wrong_own, 0);
+  EXPECT_EQ(wrong_missing, 0);
+  // The context is still usable: a small copy and a sync succeed.
+  int32_t probe = 0;
+  EXPECT_EQ(cudaMemcpy(&probe, virt, 4, cudaMemcpyDeviceToHost), cudaSuccess);
   cudaFree(virt);
   cudaFree(own);
+  cudaFree(source_counts);
 }
 
 TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {

@@ -12,10 +12,13 @@
 // order, exactly the EP plan's order; row_src = v * k + j names source s = v /
 // max_tokens, token t = v % max_tokens and slot j.
 //
-// Before it reads a source's routing the kernel waits (bounded by
-// errors.timeout_ns; system-scope acquire) for that source's flag to reach
-// `epoch`; a source that never comes is reported (kBarrierPeer, naming the
-// rank) and its virtual tokens are left empty. No host synchronisation.
+// First one thread per source waits (bounded by errors.timeout_ns;
+// system-scope acquire, with backoff) for that source's flag to reach `epoch`
+// and records its token count, or -1 for a source that never came (reported:
+// kBarrierPeer, naming the rank). Then the list is filled from those counts,
+// with no further waiting: one decision per source. A missing source's
+// virtual tokens are empty. No host synchronisation. Sizes stay within int32
+// (row_src = v * k + j is int32 in the plan).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +39,7 @@ struct EpRoutingArgs {
   int experts_per_rank = 0;
   uint32_t epoch = 0;
   DeviceErrorSink errors;
+  int64_t* source_counts = nullptr;   // scratch [world] on the device
   int32_t* virtual_idx = nullptr;     // out: [world * max_tokens, top_k] local ids or -1
 };
 
@@ -45,8 +49,9 @@ Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArg
 // with row_src[r] = v * k + j (v = s * max_tokens + t) is token t of rank s,
 // read from own_x for this rank's own tokens, else from slot [s][t] of the
 // receive area in `buffer`; padding rows (row_src -1) are zeros. Rows past
-// *pool_rows are not touched. (A copy for now; the GEMM's producer is to read
-// the rows in place once it gathers.)
+// *pool_rows (at most capacity) are not touched. It waits for nothing: run it
+// after build_ep_virtual_routing and the plan, on the same stream. (A copy for
+// now; the GEMM's producer is to read the rows in place once it gathers.)
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
                       cudaStream_t stream);
