@@ -1,5 +1,6 @@
-// Expert-parallel dispatch, the push (cuda/comm/dispatch.h) and the owner's
-// routing built from it (cuda/comm/ep_routing.h), on the
+// Expert-parallel dispatch, the push (cuda/comm/dispatch.h), the owner's
+// routing, plan and pool built from it (cuda/comm/ep_routing.h), and the
+// combine's return push (cuda/comm/combine.h), on the
 // one-process peer-memory provider: P = 4 ranks on one GPU (any GPU) and
 // P = 2 on two GPUs (MultiGpu.*). Every rank's x rows carry a payload that
 // encodes (rank, token, column); after the push, slot [s][t] of rank d must
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "core/routing_plan.h"
+#include "cuda/comm/combine.h"
 #include "cuda/comm/dispatch.h"
 #include "cuda/comm/ep_routing.h"
 #include "cuda/common/device_errors.h"
@@ -28,6 +30,11 @@
 
 namespace megamoe::testing {
 namespace {
+
+// An expert output of route (source rank, token, slot): never 0x7F7F (the return area's poison).
+uint16_t output_payload(int rank, int64_t token, int j, int64_t col) {
+  return static_cast<uint16_t>((rank * 331 + token * 29 + j * 1009 + col * 3 + 1) & 0x3FFF);
+}
 
 uint16_t payload(int rank, int64_t token, int64_t col) {
   return static_cast<uint16_t>((rank * 7919 + token * 131 + col * 17 + 1) & 0x7FFF);  // never 0xFFFF (the poison)
@@ -129,10 +136,68 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
       }
     }
     EXPECT_EQ(wrong_pool_rows, 0) << "rank " << d << ": gathered pool rows that are not their source's x row";
+
+    // The combine's return push (cuda/comm/combine.h): this owner's output of
+    // every route it computed, [j][v] in virtual tokens, back to its source.
+    std::vector<uint16_t> outputs(static_cast<size_t>(k * V * H), 0x5555);
+    for (int64_t v = 0; v < V; ++v) {
+      const int s = static_cast<int>(v / layout.max_tokens);
+      const int64_t t = v % layout.max_tokens;
+      if (t >= counts[static_cast<size_t>(s)]) continue;
+      for (int j = 0; j < k; ++j) {
+        const int e = idx[static_cast<size_t>(s)][static_cast<size_t>(t * k + j)];
+        if (e < 0 || e / L != d) continue;
+        for (int64_t c = 0; c < H; ++c)
+          outputs[static_cast<size_t>((j * V + v) * H + c)] = output_payload(s, t, j, c);
+      }
+    }
+    uint16_t* outputs_dev = nullptr;
+    uint32_t* done = nullptr;
+    ASSERT_EQ(cudaMalloc(&outputs_dev, outputs.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&done, 4), cudaSuccess);
+    ASSERT_EQ(cudaMemset(done, 0, 4), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(outputs_dev, outputs.data(), outputs.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    cuda::CombineArgs c;
+    c.outputs = outputs_dev, c.virtual_idx = virt, c.source_counts = source_counts, c.epoch = epoch,
+    c.blocks_done = done;
+    MEGAMOE_ASSERT_OK(cuda::combine_push(group.view(d), layout, c, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaFree(outputs_dev);
+    cudaFree(done);
     cudaFree(pool);
     cudaFree(virt);
     cudaFree(ints);
     cudaFree(source_counts);
+  }
+
+  // Every source: its combine flags from every owner (itself included) and,
+  // in its return area, the output of each of its routes; slots of dropped
+  // routes keep their poison.
+  for (int s = 0; s < world; ++s) {
+    const int dev = group.device(s);
+    ASSERT_EQ(cudaSetDevice(dev), cudaSuccess);
+    cuda::DeviceErrorSink errors;
+    MEGAMOE_ASSERT_OK(cuda::device_error_sink(dev, &errors));
+    errors.timeout_ns = test_wait_timeout_ns();
+    MEGAMOE_ASSERT_OK(cuda::combine_wait(layout, group.view(s).local, epoch, errors, nullptr));
+    MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(dev, nullptr));
+    std::vector<uint8_t> buf(layout.bytes());
+    ASSERT_EQ(cudaMemcpy(buf.data(), group.view(s).local, buf.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    const auto* flags = reinterpret_cast<const uint32_t*>(buf.data() + cuda::DispatchLayout::kCombineFlagsOffset);
+    for (int d = 0; d < world; ++d) EXPECT_EQ(flags[d], epoch) << "rank " << s << "'s combine flag from owner " << d;
+    const int64_t n = counts[static_cast<size_t>(s)], H = layout.hidden;
+    int64_t wrong_slots = 0;
+    for (int j = 0; j < k; ++j)
+      for (int64_t t = 0; t < n; ++t) {
+        const bool routed = idx[static_cast<size_t>(s)][static_cast<size_t>(t * k + j)] >= 0;
+        const auto* slot = reinterpret_cast<const uint16_t*>(buf.data() + layout.combine_slot_offset(n, j, t));
+        for (int64_t c = 0; c < H; ++c)
+          if (slot[c] != (routed ? output_payload(s, t, j, c) : uint16_t{0x7F7F})) {
+            ++wrong_slots;
+            break;
+          }
+      }
+    EXPECT_EQ(wrong_slots, 0) << "rank " << s << "'s combine slots, epoch " << epoch;
   }
 }
 
@@ -303,7 +368,7 @@ TEST(Dispatch, ARankThatNeverDeliversIsNamed) {
   MEGAMOE_ASSERT_OK(cuda::build_ep_virtual_routing(layout, a, nullptr));
   const Status st = cuda::sync_and_take_device_error(0, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
-  EXPECT_NE(st.message().find("EP routing: rank 1 never delivered its dispatch"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("EP routing: rank 1 never delivered its part"), std::string::npos) << st.message();
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   // The rank's own part is built all the same; the missing rank's part is empty.
   std::vector<int32_t> got(static_cast<size_t>(2 * entries));

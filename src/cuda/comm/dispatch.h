@@ -14,8 +14,12 @@
 //   byte 128                tokens u32 [world]: rank s's token count in that call
 //   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
 //                           token t of rank s (written only where it must go)
+//   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
 //   byte ids_offset()       ids i32 [world][max_tokens][top_k]: the routing of
 //                           every token of rank s (-1 = no route)
+//   byte combine_slots_offset()  bf16 [top_k][own tokens][hidden]: the expert
+//                           outputs of this rank's routes, returned by their
+//                           owners (cuda/comm/combine.h)
 // Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
 // a token goes at most once to a rank, so nothing can overflow; tokens >
 // max_tokens is an error before any write. Expert e lives on rank
@@ -47,7 +51,17 @@ struct DispatchLayout {
     return kRecvOffset + static_cast<size_t>(world) * max_tokens * slot_bytes() +
            (static_cast<size_t>(src) * max_tokens + token) * top_k * 4;
   }
-  MEGAMOE_HD size_t bytes() const { return ids_offset(world, 0); }
+  // The combine's return area (cuda/comm/combine.h): this rank's own routes'
+  // expert outputs, slots [j][t] of its own T tokens (the layout combine_slots
+  // reads), written by the owners. Its flags: combine flag [owner] at byte 64.
+  static constexpr size_t kCombineFlagsOffset = 64;
+  MEGAMOE_HD size_t combine_slots_offset() const { return ids_offset(world, 0); }
+  MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
+    return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
+  }
+  MEGAMOE_HD size_t bytes() const {
+    return combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes();
+  }
 };
 
 // Not yet: a sender does not wait for the receiver to be done with the slots,

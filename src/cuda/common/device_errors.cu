@@ -14,7 +14,7 @@ namespace {
 const char* kernel_name(uint32_t k) {
   static const char* const kNames[kKernelCount] = {"routing plan", "grouped GEMM kGateUp", "grouped GEMM kDown",
                                                    "grouped GEMM kDownGrad", "grouped GEMM kGateUpGrad",
-                                                   "grouped GEMM kWeightGrad", "EP routing"};
+                                                   "grouped GEMM kWeightGrad", "EP routing", "EP combine"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 
@@ -73,7 +73,7 @@ Status describe(const DeviceErrorReport& r, int device) {
   }
   if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierPeer) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ": rank " + std::to_string(r.phase) +
-                         " never delivered its dispatch (is it in the call?): the wait gave up after " +
+                         " never delivered its part (is it in the call?): the wait gave up after " +
                          std::to_string(r.waited_ns / 1000000) + " ms" + on + "; its outputs are undefined)");
   }
   if (r.kind == kDeviceErrorTimeout) {

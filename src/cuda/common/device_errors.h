@@ -34,6 +34,7 @@ enum KernelId : uint32_t {
   kKernelGemmGateUpGrad,
   kKernelGemmWeightGrad,
   kKernelEpRouting,
+  kKernelEpCombine,
   kKernelCount,
 };
 
