@@ -253,6 +253,8 @@ void push_and_check(const std::vector<int>& devices) {
       const cuda::PeerView v = group->view(r);
       char* base = static_cast<char*>(v.local);
       ASSERT_EQ(cudaMemset(base, 0xA5, cuda::DispatchLayout::kRecvOffset), cudaSuccess);
+      // The combine flags below any epoch, so that a wait that read them could not pass early.
+      ASSERT_EQ(cudaMemset(base + cuda::DispatchLayout::kCombineFlagsOffset, 0, 32), cudaSuccess);
       ASSERT_EQ(cudaMemset(base + cuda::DispatchLayout::kRecvOffset, 0xFF,
                            layout.ids_offset() - cuda::DispatchLayout::kRecvOffset),
                 cudaSuccess);
@@ -387,6 +389,28 @@ TEST(Dispatch, ARankThatNeverDeliversIsNamed) {
   cudaFree(virt);
   cudaFree(own);
   cudaFree(source_counts);
+}
+
+// A source waiting for an owner that never returns its outputs: the error names it.
+TEST(Dispatch, AnOwnerThatNeverReturnsIsNamed) {
+  MEGAMOE_REQUIRE_GPU();
+  cuda::DispatchLayout layout;
+  layout.world = 2, layout.max_tokens = 64, layout.hidden = 128, layout.top_k = 2;
+  std::unique_ptr<cuda::PeerGroup> group;
+  MEGAMOE_ASSERT_OK(cuda::make_one_process_group({0, 0}, layout.bytes(), &group));
+  // Owner 0 (this rank) has returned; owner 1 never comes.
+  const uint32_t done = 1;
+  ASSERT_EQ(cudaMemcpy(static_cast<char*>(group->view(0).local) + cuda::DispatchLayout::kCombineFlagsOffset, &done,
+                       4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  cuda::DeviceErrorSink errors;
+  MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &errors));
+  errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
+  MEGAMOE_ASSERT_OK(cuda::combine_wait(layout, group->view(0).local, 1, errors, nullptr));
+  const Status st = cuda::sync_and_take_device_error(0, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("EP combine: rank 1 never delivered its part"), std::string::npos) << st.message();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {

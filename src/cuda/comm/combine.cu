@@ -35,6 +35,9 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
   if (atomicInc(a.blocks_done, gridDim.x - 1) != gridDim.x - 1) return;
   __threadfence_system();
   for (int s = 0; s < v.world; ++s) {
+    // A source whose routing never came got nothing from this owner: no flag,
+    // so its own wait times out and names this owner rather than summing stale slots.
+    if (a.source_counts[s] < 0) continue;
     auto* flag = reinterpret_cast<uint32_t*>(static_cast<char*>(v.peers[s]) + DispatchLayout::kCombineFlagsOffset) +
                  v.rank;
     asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
@@ -75,8 +78,8 @@ Status combine_push(const PeerView& v, const DispatchLayout& layout, const Combi
   if (a.epoch == 0) return invalid_argument("combine: epoch 0 is the flags' initial value; start at 1");
   if (a.outputs == nullptr || a.virtual_idx == nullptr || a.source_counts == nullptr || a.blocks_done == nullptr)
     return invalid_argument("combine: a pointer is null");
-  if (reinterpret_cast<uintptr_t>(a.outputs) % 16 != 0)
-    return invalid_argument("combine: the outputs must be 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(a.outputs) % 16 != 0 || reinterpret_cast<uintptr_t>(v.local) % 16 != 0)
+    return invalid_argument("combine: the outputs and the symmetric buffer must be 16-byte aligned");
   const int64_t V = static_cast<int64_t>(layout.world) * layout.max_tokens;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((V + kWarps - 1) / kWarps, 1024));
   combine_push_kernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(v, layout, a);

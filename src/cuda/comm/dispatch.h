@@ -11,13 +11,13 @@
 // Each rank's symmetric buffer (one PeerView allocation, the same on every rank):
 //   byte 0                  flags u32 [world]: flag[s] = epoch of the last call
 //                           whose data from rank s has all landed here
+//   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
 //   byte 128                tokens u32 [world]: rank s's token count in that call
 //   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
 //                           token t of rank s (written only where it must go)
-//   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
 //   byte ids_offset()       ids i32 [world][max_tokens][top_k]: the routing of
 //                           every token of rank s (-1 = no route)
-//   byte combine_slots_offset()  bf16 [top_k][own tokens][hidden]: the expert
+//   byte combine_slots_offset()  (128-aligned) bf16 [top_k][own tokens][hidden]: the expert
 //                           outputs of this rank's routes, returned by their
 //                           owners (cuda/comm/combine.h)
 // Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
@@ -55,7 +55,8 @@ struct DispatchLayout {
   // expert outputs, slots [j][t] of its own T tokens (the layout combine_slots
   // reads), written by the owners. Its flags: combine flag [owner] at byte 64.
   static constexpr size_t kCombineFlagsOffset = 64;
-  MEGAMOE_HD size_t combine_slots_offset() const { return ids_offset(world, 0); }
+  // Rounded up to 128 bytes: rows move as 16-byte pieces whatever the ids' size.
+  MEGAMOE_HD size_t combine_slots_offset() const { return (ids_offset(world, 0) + 127) & ~size_t{127}; }
   MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
     return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
   }
