@@ -3,16 +3,15 @@
 //
 // Tiles are numbered on the device (their count depends on the routing, read
 // from the plan, never from the host); CTA b takes t = b, b + grid, ... and
-// its two consumers alternate over them. Order: M-grouped modes walk bands of
-// kRasterRows pool tiles (experts in id order), each band m-fastest, column
-// after column (tile_order.h says why); kWeightGrad walks (expert, m, n), n
-// fastest, which CTA pairs rely on (tiles 2i and 2i + 1 share their A).
+// its two consumers alternate over them. Order today: M-grouped modes walk
+// the pool's 128-row tiles in pool order (experts in id order), the column
+// tiles of one row tile next to each other, so the row tile's A rows are
+// read from L2 by consecutive tiles; kWeightGrad walks (expert, m, n).
 // With rows_ready, the producer holds a tile until its rows have arrived.
 #pragma once
 
 #include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/pipeline.cuh"
-#include "cuda/gemm/tile_order.h"
 
 namespace megamoe::cuda::engine {
 
@@ -26,16 +25,12 @@ struct Tile {
 template <GemmMode M>
 struct TileScheduler {
   const KernelParams& p;
-  int pool_tiles;  // M-grouped modes: the pool's 128-row tiles (read once from the plan)
-
-  __device__ __forceinline__ explicit TileScheduler(const KernelParams& params)
-      : p(params), pool_tiles(M == GemmMode::kWeightGrad ? 0 : *params.args.plan.pool_rows / kBlockM) {}
 
   __device__ __forceinline__ int num_tiles() const {
     if constexpr (M == GemmMode::kWeightGrad) {
       return p.args.plan.num_experts * p.m_tiles * p.n_tiles;
     } else {
-      return pool_tiles * p.n_tiles;
+      return (*p.args.plan.pool_rows / kBlockM) * p.n_tiles;
     }
   }
 
@@ -50,9 +45,8 @@ struct TileScheduler {
       tile.k_begin = p.args.plan.expert_offset[tile.expert];
       tile.k_blocks = ((rows + kBlockM - 1) / kBlockM) * (kBlockM / kBlockK);  // segments are 128-padded
     } else {
-      const TileMN mn = raster_tile(t, pool_tiles, p.n_tiles);
-      tile.m = mn.m;
-      tile.n = mn.n;
+      tile.m = t / p.n_tiles;
+      tile.n = t % p.n_tiles;
       tile.expert = p.args.plan.tile_expert[tile.m];
       tile.k_begin = 0;
       tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
