@@ -413,6 +413,22 @@ TEST(Dispatch, AnOwnerThatNeverReturnsIsNamed) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
+// Peer memory comes in multiples of 256 bytes, so the layout asks for that
+// (a layout of 552320 bytes once failed the group's creation).
+TEST(Dispatch, LayoutBytesAreAWholeNumberOf256AndHoldTheLastSlot) {
+  for (int world : {1, 2, 3, 8})
+    for (int64_t max_tokens : {1, 10, 129, 4097})
+      for (int hidden : {8, 136, 2048})
+        for (int top_k : {1, 3, 8}) {
+          cuda::DispatchLayout layout;
+          layout.world = world, layout.max_tokens = max_tokens, layout.hidden = hidden, layout.top_k = top_k;
+          const size_t end = layout.combine_slot_offset(max_tokens, top_k - 1, max_tokens - 1) + layout.slot_bytes();
+          EXPECT_EQ(layout.bytes() % 256, 0u) << world << " " << max_tokens << " " << hidden << " " << top_k;
+          EXPECT_GE(layout.bytes(), end);
+          EXPECT_LT(layout.bytes(), end + 256);
+        }
+}
+
 TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {
   cuda::DispatchLayout layout;
   layout.world = 2, layout.max_tokens = 10, layout.hidden = 128, layout.top_k = 1;

@@ -60,8 +60,10 @@ struct DispatchLayout {
   MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
     return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
   }
+  // Rounded up to 256 bytes: peer memory is allocated in multiples of 256.
   MEGAMOE_HD size_t bytes() const {
-    return combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes();
+    const size_t end = combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes();
+    return (end + 255) & ~size_t{255};
   }
 };
 
