@@ -69,11 +69,12 @@ struct BoundedWait {
       if (now >= leave_at) return false;
       // Shared-memory atomics (slow path only): the word is read and written by
       // many threads with no barrier between them, by design.
-      const uint32_t state = atomicOr(cta_state, 0u);
-      if (leave_at == ~uint64_t{0} && (state & kAbort) != 0u) leave_at = now + kAbortGraceNs;
+      if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
       const uint64_t waited = now - start;
-      const bool held = barrier == kBarrierFull && (state & kHoldingForRows) != 0u;  // the row wait reports
-      if (!held && (barrier == kBarrierEmpty || barrier == kBarrierOrder ? waited / 2 : waited) >= sink.timeout_ns) {
+      if ((barrier == kBarrierEmpty || barrier == kBarrierOrder ? waited / 2 : waited) >= sink.timeout_ns) {
+        // Past its bound a full wait keeps waiting while the producer holds
+        // for rows: the row wait reports (read here only, off the polling path).
+        if (barrier == kBarrierFull && (atomicOr(cta_state, 0u) & kHoldingForRows) != 0u) continue;
         atomicOr(cta_state, kAbort);
         report_timeout(sink, kernel, barrier, phase, waited);
         return false;

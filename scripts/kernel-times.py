@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Per-kernel durations of one megamoe-bench iteration, old tree beside new.
+
+Reads the CSVs that scripts/device-profile writes with KERNEL_TIMES=1 (Nsight
+Compute, metric gpu__time_duration.sum, every launch of `--iters 1 --warmup 1`)
+and prints the second half of each (the timed iteration), launch by launch.
+usage: kernel-times.py OLD.csv NEW.csv  (either may be missing)
+"""
+import csv
+import sys
+
+
+def launches(path):
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(l for l in f if l.startswith('"'))]
+    except OSError:
+        return []
+    out = []
+    for r in rows:
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[r["Metric Unit"]]
+        us = float(r["Metric Value"].replace(",", "")) * scale
+        full = r["Kernel Name"].replace("(anonymous namespace)::", "").replace("void ", "")
+        name = full.split("(")[0].split("<")[0].split("::")[-1][:28]
+        mode = full.split("GemmMode)")[1][:1] if "GemmMode)" in full else ""
+        out.append((name + (" m" + mode if mode else ""), us))
+    return out[len(out) // 2:]  # the timed iteration (the first is the warm-up)
+
+
+old, new = (launches(p) for p in sys.argv[1:3])
+n = max(len(old), len(new))
+print(f"{'#':>3} {'kernel':<32} {'old us':>9} {'new us':>9} {'new/old':>8}")
+for i in range(n):
+    o = old[i] if i < len(old) else ("-", float("nan"))
+    w = new[i] if i < len(new) else ("-", float("nan"))
+    name = w[0] if w[0] != "-" else o[0]
+    print(f"{i:>3} {name:<32} {o[1]:>9.1f} {w[1]:>9.1f} {w[1] / o[1] if o[1] else float('nan'):>8.3f}")
+so, sn = sum(t for _, t in old), sum(t for _, t in new)
+print(f"{'':>3} {'sum':<32} {so:>9.1f} {sn:>9.1f} {sn / so if so else float('nan'):>8.3f}")
