@@ -20,7 +20,7 @@ def launches(path):
     for r in rows:
         if r.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[r["Metric Unit"]]
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r["Metric Unit"]]
         us = float(r["Metric Value"].replace(",", "")) * scale
         full = r["Kernel Name"].replace("(anonymous namespace)::", "").replace("void ", "")
         name = full.split("(")[0].split("<")[0].split("::")[-1][:28]

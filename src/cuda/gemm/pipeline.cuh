@@ -56,34 +56,34 @@ struct BoundedWait {
   const DeviceErrorSink& sink;
   uint32_t* cta_state;
   uint32_t kernel;  // the KernelId a report names
+  // The kernel's producer may hold for rows (its kHoldRows instantiation): a
+  // constant there, so the others compile without the check below.
+  bool rows_may_hold;
 
-  // Polls done() until it holds (true) or the wait gives up (false).
-  template <typename Done>
-  __device__ __forceinline__ bool wait_until(Done done, BarrierId barrier, uint32_t phase) const {
-    if (done()) return true;
+  // An mbarrier phase (the ring's and the order barriers). The polling loop
+  // is kept as it was before the row waits existed: folding both kinds of
+  // wait into one templated loop changed the M-grouped kernels' code.
+  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
+    if (ptx::mbar_try_wait(bar, parity)) return true;
     const uint64_t start = global_timer_ns();
-    uint64_t leave_at = ~uint64_t{0};  // set once the abort flag is seen
+    uint64_t leave_at = ~uint64_t{0};  // set once the abort bit is seen
     for (;;) {
-      if (done()) return true;
+      if (ptx::mbar_try_wait(bar, parity)) return true;
       const uint64_t now = global_timer_ns();
       if (now >= leave_at) return false;
       // Shared-memory atomics (slow path only): the word is read and written by
       // many threads with no barrier between them, by design.
       if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
       const uint64_t waited = now - start;
-      if ((barrier == kBarrierEmpty || barrier == kBarrierOrder ? waited / 2 : waited) >= sink.timeout_ns) {
+      if ((barrier == kBarrierFull ? waited : waited / 2) >= sink.timeout_ns) {
         // Past its bound a full wait keeps waiting while the producer holds
         // for rows: the row wait reports (read here only, off the polling path).
-        if (barrier == kBarrierFull && (atomicOr(cta_state, 0u) & kHoldingForRows) != 0u) continue;
+        if (rows_may_hold && barrier == kBarrierFull && (atomicOr(cta_state, 0u) & kHoldingForRows) != 0u) continue;
         atomicOr(cta_state, kAbort);
         report_timeout(sink, kernel, barrier, phase, waited);
         return false;
       }
     }
-  }
-
-  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
-    return wait_until([&] { return ptx::mbar_try_wait(bar, parity); }, barrier, phase);
   }
 
   // Until *counter >= value (a release store or atomic by whoever delivers
@@ -94,7 +94,23 @@ struct BoundedWait {
   __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t value, uint32_t tile) const {
     if (ptx::ld_acquire_sys(counter) < value) {
       atomicOr(cta_state, kHoldingForRows);
-      const bool in = wait_until([&] { return ptx::ld_acquire_sys(counter) >= value; }, kBarrierRows, tile);
+      const uint64_t start = global_timer_ns();
+      uint64_t leave_at = ~uint64_t{0};
+      bool in = false;
+      for (;;) {
+        if (ptx::ld_acquire_sys(counter) >= value) {
+          in = true;
+          break;
+        }
+        const uint64_t now = global_timer_ns();
+        if (now >= leave_at) break;
+        if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
+        if (now - start >= sink.timeout_ns) {
+          atomicOr(cta_state, kAbort);
+          report_timeout(sink, kernel, kBarrierRows, tile, now - start);
+          break;
+        }
+      }
       atomicAnd(cta_state, ~kHoldingForRows);
       if (!in) return false;
     }

@@ -54,17 +54,12 @@ struct TileScheduler {
     return tile;
   }
 
-  // Holds the tile until its pool rows are in (GroupedGemmArgs::rows_ready;
-  // nothing to wait for when it is null). The producer calls it before the
-  // tile's first load; false: the wait gave up (reported).
+  // Holds the tile until its pool rows are in (GroupedGemmArgs::rows_ready,
+  // set: the kernel's kHoldRows instantiation calls this). The producer calls
+  // it before the tile's first load; false: the wait gave up (reported).
   __device__ __forceinline__ bool wait_rows_in(const BoundedWait& waits, const Tile& tile) const {
-    if constexpr (M == GemmMode::kWeightGrad) {
-      return true;  // rejected on the host (launch_grouped_gemm)
-    } else {
-      const uint32_t* ready = p.args.rows_ready;
-      if (ready == nullptr) return true;
-      return waits.wait_counter(ready + tile.m, p.args.ready_value, static_cast<uint32_t>(tile.m));
-    }
+    static_assert(M != GemmMode::kWeightGrad, "rows_ready holds pool tiles of the M-grouped modes");
+    return waits.wait_counter(p.args.rows_ready + tile.m, p.args.ready_value, static_cast<uint32_t>(tile.m));
   }
 };
 
