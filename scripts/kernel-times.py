@@ -10,6 +10,9 @@ import csv
 import sys
 
 
+MODES = {"0": "kGateUp", "1": "kDown", "2": "kDownGrad", "3": "kGateUpGrad", "4": "kWeightGrad"}
+
+
 def launches(path):
     try:
         with open(path, newline="") as f:
@@ -22,11 +25,13 @@ def launches(path):
             continue
         scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r["Metric Unit"]]
         us = float(r["Metric Value"].replace(",", "")) * scale
-        full = r["Kernel Name"].replace("(anonymous namespace)::", "").replace("void ", "")
-        name = full.split("(")[0].split("<")[0].split("::")[-1][:28]
-        mode = full.split("GemmMode)")[1][:1] if "GemmMode)" in full else ""
-        out.append((name + (" m" + mode if mode else ""), us))
-    return out[len(out) // 2:]  # the timed iteration (the first is the warm-up)
+        full = r["Kernel Name"].split("(")[0] if not r["Kernel Name"].startswith("void (") else r["Kernel Name"]
+        name = full.replace("void ", "").split("::")[-1]
+        if name.startswith("grouped_gemm_kernel<"):  # <mode, pair[, hold]>
+            args = name[len("grouped_gemm_kernel<"):].rstrip(">").split(",")
+            name = "gemm " + MODES.get(args[0].strip(), args[0]) + (" pair" if args[1].strip() in ("1", "true") else "")
+        out.append((name[:32], us))
+    return out[len(out) // 2:]  # the timed half (the first is the warm-up)
 
 
 old, new = (launches(p) for p in sys.argv[1:3])
