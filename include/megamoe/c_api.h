@@ -81,6 +81,18 @@ int megamoe_preset(int32_t index, megamoe_preset_info* out, int32_t* count);
 /* Synchronises `stream` and reports (then clears) an error the kernels found on `device`. */
 int megamoe_check(int32_t device, void* stream);
 
+/* Peer-memory self-check for expert parallelism, on memory any provider
+ * mapped (PyTorch symmetric memory, say): this rank's buffer `local`, the
+ * device array `peers` [world] of every rank's buffer as this rank's device
+ * sees it, and their size `bytes` (the same on every rank). The buffers are
+ * overwritten. phase 0: write this rank's payload (source, destination,
+ * index) into its region of every rank's buffer, async on `stream`. phase 1,
+ * once every rank's phase 0 has completed (the caller's barrier): count the
+ * words of this rank's buffer that do not hold what their writer put there
+ * into *wrong; synchronises `stream`. world in [1, 8]. */
+int megamoe_peer_check(int32_t phase, int32_t rank, int32_t world, void* local, void* const* peers, uint64_t bytes,
+                       void* stream, int64_t* wrong);
+
 /* 1 when this build has the CUDA layer and sees a GPU; *why (static storage) says why not. */
 int megamoe_cuda_available(const char** why);
 

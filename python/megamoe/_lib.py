@@ -80,6 +80,8 @@ def _load() -> ctypes.CDLL:
         lib.megamoe_check.argtypes = [ctypes.c_int32, P]
         lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
         lib.megamoe_preset.argtypes = [ctypes.c_int32, ctypes.POINTER(PresetInfo), ctypes.POINTER(ctypes.c_int32)]
+        lib.megamoe_peer_check.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, P, P, ctypes.c_uint64, P,
+                                           ctypes.POINTER(ctypes.c_int64)]
         lib.megamoe_last_error.restype = ctypes.c_char_p
     except AttributeError as e:  # a symbol this package calls is missing: a library from another version
         raise ImportError(f"megamoe: {path} does not match this Python package ({e}); rebuild it "

@@ -1,6 +1,7 @@
 // The backends behind moe_forward / moe_backward.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "megamoe/moe.h"
@@ -19,5 +20,17 @@ Status cuda_forward(const MoeProblem& problem, const MoeOptions& options, const 
 Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
                      const TensorView& dy, const MoeGrads& grads, const MoeBuffers& buffers);
 Status cuda_check_device_errors(int device, void* stream);
+
+// Peer-memory self-check (cuda/comm/peer_check.h) on one rank's view, for
+// views a caller built (PyTorch symmetric memory). phase 0: write this rank's
+// payload into every rank's buffer (async). phase 1, after every rank's phase
+// 0 completed: count this rank's wrong words into *wrong (synchronises stream).
+struct PeerViewArgs {
+  int rank, world;
+  void* local;
+  void* const* peers;  // device array [world]
+  uint64_t bytes;
+};
+Status cuda_peer_check(int phase, const PeerViewArgs& view, void* stream, int64_t* wrong);
 
 }  // namespace megamoe::detail

@@ -152,6 +152,13 @@ int megamoe_check(int32_t device, void* stream) {
   return guarded([&] { return fail(megamoe::check_device_errors(device, stream)); });
 }
 
+int megamoe_peer_check(int32_t phase, int32_t rank, int32_t world, void* local, void* const* peers, uint64_t bytes,
+                       void* stream, int64_t* wrong) {
+  return guarded([&] {
+    return fail(megamoe::detail::cuda_peer_check(phase, {rank, world, local, peers, bytes}, stream, wrong));
+  });
+}
+
 int megamoe_cuda_available(const char** why) {
   static thread_local std::string reason;
   const bool ok = megamoe::detail::cuda_layer_available(&reason);

@@ -5,6 +5,8 @@
 
 #include "api/backends.h"
 #include "core/tensor_check.h"
+#include "cuda/comm/peer_check.h"
+#include "cuda/common/cuda_status.h"
 #include "cuda/device_query.h"
 #include "cuda/moe/cuda_layer.h"
 
@@ -127,6 +129,27 @@ Status cuda_check_device_errors(int device, void* stream) {
   std::string why;
   if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
   return cuda::sync_and_take_device_error(device, static_cast<cudaStream_t>(stream));
+}
+
+Status cuda_peer_check(int phase, const PeerViewArgs& a, void* stream, int64_t* wrong) {
+  std::string why;
+  if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
+  cuda::PeerView v;
+  v.rank = a.rank, v.world = a.world, v.local = a.local, v.peers = a.peers, v.bytes = a.bytes;
+  auto* s = static_cast<cudaStream_t>(stream);
+  if (phase == 0) return cuda::peer_check_write(v, s);
+  if (phase != 1) return invalid_argument("peer check: phase " + std::to_string(phase) + " is not 0 or 1");
+  if (wrong == nullptr) return invalid_argument("peer check: wrong is null");
+  int64_t* count = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(cuda::cuda_status("peer check: allocate the count", cudaMallocAsync(&count, 8, s)));
+  Status st = cuda::peer_check_count(v, count, s);
+  if (st.ok())
+    st = cuda::cuda_status("peer check: read the count",
+                           cudaMemcpyAsync(wrong, count, sizeof(int64_t), cudaMemcpyDeviceToHost, s));
+  const Status freed = cuda::cuda_status("peer check: free the count", cudaFreeAsync(count, s));
+  const Status synced = cuda::cuda_status("peer check: synchronise", cudaStreamSynchronize(s));
+  if (!st.ok()) return st;
+  return freed.ok() ? synced : freed;
 }
 
 }  // namespace megamoe::detail

@@ -18,5 +18,6 @@ Status cuda_backward(const MoeProblem&, const MoeOptions&, const MoeInputs&, con
   return no_cuda();
 }
 Status cuda_check_device_errors(int, void*) { return no_cuda(); }
+Status cuda_peer_check(int, const PeerViewArgs&, void*, int64_t*) { return no_cuda(); }
 
 }  // namespace megamoe::detail

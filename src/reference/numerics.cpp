@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/fp8_scale.h"
+
 namespace megamoe::numerics {
 
 uint16_t bf16_bits_from_float(float v) {
@@ -70,17 +72,17 @@ float block_scale(float amax, ScaleKind kind) {
   if (std::isnan(amax)) return amax;
   switch (kind) {
     // Both fp8 scales are kept >= FLT_MIN: a tile of tiny subnormals would
-    // otherwise get a zero scale and turn 0 / 0 into NaN.
+    // otherwise get a zero scale and turn 0 / 0 into NaN. One definition with
+    // the GPU quantizers: core/fp8_scale.h.
     case ScaleKind::kFloat32:
-      return amax == 0.0f ? 1.0f : std::max(amax / kE4M3Max, FLT_MIN);
-    case ScaleKind::kPowerOfTwo: {
-      if (amax == 0.0f) return 1.0f;
-      const int e = static_cast<int>(std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max)));
-      return static_cast<float>(std::ldexp(1.0, std::max(e, FLT_MIN_EXP - 1)));
-    }
+      return fp8_scale_fp32(amax);
+    case ScaleKind::kPowerOfTwo:
+      return fp8_scale_pow2(amax);
     case ScaleKind::kE8M0: {
-      // The smallest power of two that does not saturate, clamped to E8M0's range.
+      // The smallest power of two that does not saturate, clamped to E8M0's
+      // range; an infinite amax takes the largest scale (E8M0 has no infinity).
       if (amax == 0.0f) return float_from_e8m0(0);
+      if (std::isinf(amax)) return float_from_e8m0(e8m0_from_exponent(127));
       const double e = std::ceil(std::log2(static_cast<double>(amax) / kE4M3Max));
       return float_from_e8m0(e8m0_from_exponent(static_cast<int>(e)));
     }

@@ -342,6 +342,15 @@ TEST(BlockScale, Float32IsAmaxOver448) {
   EXPECT_EQ(block_scale(0.0f, ScaleKind::kFloat32), 1.0f);
 }
 
+TEST(BlockScale, NonFiniteAmaxGivesTheDocumentedScale) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(block_scale(std::nanf(""), ScaleKind::kFloat32)));
+  EXPECT_TRUE(std::isnan(block_scale(std::nanf(""), ScaleKind::kPowerOfTwo)));
+  EXPECT_EQ(block_scale(inf, ScaleKind::kFloat32), inf);
+  EXPECT_EQ(block_scale(inf, ScaleKind::kPowerOfTwo), inf);
+  EXPECT_EQ(block_scale(inf, ScaleKind::kE8M0), p2(127));
+}
+
 TEST(BlockScale, PowerOfTwoIsTight) {
   EXPECT_EQ(block_scale(0.0f, ScaleKind::kPowerOfTwo), 1.0f);
   EXPECT_EQ(block_scale(448.0f, ScaleKind::kPowerOfTwo), 1.0f);

@@ -12,6 +12,7 @@
 #include "cuda/moe/device_plan.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
+#include "row_release.h"
 
 namespace megamoe::testing {
 namespace {
@@ -473,6 +474,98 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
   int64_t w_differ = 0;
   for (int64_t i = 0; i < E * H * I; ++i) w_differ += w1.get(i) != w2h.get(i);
   EXPECT_EQ(w_differ, 0) << "kWeightGrad";
+}
+
+// Expert parallelism's ordering contract (GroupedGemmArgs::rows_ready): the x
+// pool starts as NaN, and a kernel on another stream delivers its row tiles
+// late (0.5 ms apart) and in reverse order, release-storing each tile's
+// counter. kGateUp, launched right after on a stream of its own, must hold
+// every tile until its rows are in: z and a equal, bit for bit, the run on
+// the delivered pool with nothing to wait for. A GEMM that ignored the
+// counters would read NaN rows (its first tiles arrive last).
+TEST_P(GroupedGemm, TilesWaitForTheirRowsToArrive) {
+  Mat x, w13, z_ref, a_ref, z, a;
+  random_pool(x, H, 1);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
+  z_ref.make(C, 2 * I), a_ref.make(C, I), z.make(C, 2 * I), a.make(C, I);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = z_ref.dev.view().data, g.out1 = a_ref.dev.view().data;
+  run(g);
+
+  const int tiles = static_cast<int>(pool_rows / 128);
+  HostTensor order_host(DType::kI32, {tiles});
+  for (int i = 0; i < tiles; ++i) order_host.set(i, tiles - 1 - i);
+  DeviceTensor order(DType::kI32, {tiles}), counters(DType::kI32, {C / 128}), late(DType::kBF16, {C, H});
+  ASSERT_TRUE(order.upload(order_host).ok());
+  ASSERT_TRUE(counters.fill_bytes(0).ok());
+  ASSERT_TRUE(late.fill_bytes(0xFF).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t deliver = nullptr, compute = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&deliver, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), cudaSuccess);
+  auto* ready = static_cast<uint32_t*>(counters.view().data);
+  ASSERT_EQ(launch_row_release(x.dev.view().data, late.view().data, H, static_cast<const int32_t*>(order.view().data),
+                               tiles, ready, 1u, 500'000, deliver),
+            cudaSuccess);
+  g.a = late.view().data;
+  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  g.rows_ready = ready, g.ready_value = 1u;
+  g.errors = errors;
+  ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, compute).ok());
+  const Status st = cuda::sync_and_take_device_error(0, compute);
+  ASSERT_EQ(cudaStreamSynchronize(deliver), cudaSuccess);  // before anything it writes is freed
+  cudaStreamDestroy(deliver);
+  cudaStreamDestroy(compute);
+  MEGAMOE_ASSERT_OK(st);
+  auto used = [&](const std::vector<float>& v, int64_t cols) {
+    return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
+  };
+  EXPECT_EQ(used(z.download(), 2 * I), used(z_ref.download(), 2 * I)) << "z";
+  EXPECT_EQ(used(a.download(), I), used(a_ref.download(), I)) << "a";
+}
+
+// A tile whose rows never arrive: the wait gives up, the report names the
+// kernel and the pool tile, and the context stays usable.
+TEST_P(GroupedGemm, RowsThatNeverArriveTimeOutNamingTheTile) {
+  Mat x, w13, z, a;
+  random_pool(x, H, 1);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
+  z.make(C, 2 * I), a.make(C, I);
+  const int tiles = static_cast<int>(pool_rows / 128), missing = tiles / 2;
+  HostTensor ready_host(DType::kI32, {C / 128});
+  for (int m = 0; m < C / 128; ++m) ready_host.set(m, m == missing ? 6 : 7);
+  DeviceTensor counters(DType::kI32, {C / 128});
+  ASSERT_TRUE(counters.upload(ready_host).ok());
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  g.rows_ready = static_cast<const uint32_t*>(counters.view().data), g.ready_value = 7u;
+  g.errors = errors;
+  g.errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
+  ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr).ok());
+  const Status st = cuda::sync_and_take_device_error(0, nullptr);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  for (const std::string& want : std::vector<std::string>{
+           "grouped GEMM kGateUp,", "the rows of pool tile " + std::to_string(missing) + " never arrived", "gave up"})
+    EXPECT_NE(st.message().find(want), std::string::npos) << "missing \"" << want << "\" in: " << st.message();
+  g.rows_ready = nullptr;
+  g.errors = errors;
+  run(g);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+
+  // Counters hold pool tiles of the M-grouped modes; kWeightGrad is refused on the host.
+  cuda::GroupedGemmArgs w;
+  w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I, w.k = 64;
+  w.rows_ready = static_cast<const uint32_t*>(counters.view().data);
+  const Status refused = cuda::launch_grouped_gemm(w, sms, nullptr);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("rows_ready"), std::string::npos) << refused.to_string();
 }
 
 // A producer that stops issuing loads (debug_stall_at) leaves a consumer

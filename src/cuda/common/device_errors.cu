@@ -14,12 +14,12 @@ namespace {
 const char* kernel_name(uint32_t k) {
   static const char* const kNames[kKernelCount] = {"routing plan", "grouped GEMM kGateUp", "grouped GEMM kDown",
                                                    "grouped GEMM kDownGrad", "grouped GEMM kGateUpGrad",
-                                                   "grouped GEMM kWeightGrad"};
+                                                   "grouped GEMM kWeightGrad", "EP routing", "EP combine"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 
 const char* barrier_name(uint32_t b) {
-  static const char* const kNames[kBarrierCount] = {"full", "empty", "order"};
+  static const char* const kNames[kBarrierCount] = {"full", "empty", "order", "row arrival", "peer arrival"};
   return b < kBarrierCount ? kNames[b] : "unknown";
 }
 
@@ -65,6 +65,17 @@ Status get(int device, PerDevice** out) {
 
 Status describe(const DeviceErrorReport& r, int device) {
   const std::string on = " (found on cuda:" + std::to_string(device) + " in a megamoe call";
+  if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierRows) {
+    return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) +
+                         ": the rows of pool tile " + std::to_string(r.phase) +
+                         " never arrived (rows_ready): the wait gave up after " + std::to_string(r.waited_ns / 1000000) +
+                         " ms" + on + "; the kernel exited, its outputs are undefined)");
+  }
+  if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierPeer) {
+    return timeout_error(std::string(kernel_name(r.kernel)) + ": rank " + std::to_string(r.phase) +
+                         " never delivered its part (is it in the call?): the wait gave up after " +
+                         std::to_string(r.waited_ns / 1000000) + " ms" + on + "; its outputs are undefined)");
+  }
   if (r.kind == kDeviceErrorTimeout) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) + ": the wait on " +
                          barrier_name(r.barrier) + " barrier phase " + std::to_string(r.phase) + " gave up after " +

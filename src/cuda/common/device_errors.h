@@ -33,11 +33,24 @@ enum KernelId : uint32_t {
   kKernelGemmDownGrad,
   kKernelGemmGateUpGrad,
   kKernelGemmWeightGrad,
+  kKernelEpRouting,
+  kKernelEpCombine,
   kKernelCount,
 };
 
 // Which barrier a timed-out wait was on (names in device_errors.cu).
-enum BarrierId : uint32_t { kBarrierFull = 0, kBarrierEmpty, kBarrierOrder, kBarrierCount };
+// kBarrierRows: a grouped GEMM waiting for a pool tile's rows to arrive
+// (GroupedGemmArgs::rows_ready); its phase is the pool tile.
+// kBarrierPeer: a rank waiting for another rank's dispatch (expert
+// parallelism); its phase is the rank that never arrived.
+enum BarrierId : uint32_t {
+  kBarrierFull = 0,
+  kBarrierEmpty,
+  kBarrierOrder,
+  kBarrierRows,
+  kBarrierPeer,
+  kBarrierCount
+};
 
 struct DeviceErrorReport {
   volatile uint32_t kind;

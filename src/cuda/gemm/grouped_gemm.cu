@@ -68,8 +68,11 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 
 // kPair: launched as clusters of two CTAs sharing A (see load_stage); every
 // stage's empty barrier then also counts the peer consumer's warps, because
-// the peer's multicast writes into this CTA's stage.
-template <GemmMode M, bool kPair>
+// the peer's multicast writes into this CTA's stage. kHoldRows: the producer
+// holds each tile until its rows are in (GroupedGemmArgs::rows_ready); its own
+// instantiation, because the check in the producer's tile loop cost the
+// M-grouped modes 3-8% even when never taken (Nsight Compute, session 18).
+template <GemmMode M, bool kPair, bool kHoldRows>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -86,9 +89,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
   auto* tile_src_base = reinterpret_cast<int32_t*>(barriers + Tr::kBarriers);
-  // Set by the first thread whose wait gives up; the others then give up too.
-  auto* abort_flag = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
-  const BoundedWait waits{p.args.errors, abort_flag, kernel_id<M>()};
+  // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
+  auto* cta_state = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
+  const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
   const TileScheduler<M> scheduler{p};
 
   const int wg = threadIdx.x / 128;
@@ -101,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&order.bar[c], 1);
       mbar_init(&z_full[c], 1);
     }
-    *abort_flag = 0u;
+    *cta_state = 0u;
     fence_barrier_init();
   }
   // A pair's peer arrives on these barriers and multicasts into this CTA's
@@ -126,6 +129,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       State ps;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = scheduler.tile(t);
+        if constexpr (kHoldRows)
+          if (!scheduler.wait_rows_in(waits, tile)) return;
         for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
           if (static_cast<int64_t>(ps.it) == stall_at) return;
           if (!ring.wait_empty(waits, ps)) return;
@@ -241,12 +246,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks) bulk_wait_group<0>();
 }
 
-template <GemmMode M, bool kPair>
+template <GemmMode M, bool kPair, bool kHoldRows>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
   using Tr = ModeTraits<M>;
-  auto* kernel = grouped_gemm_kernel<M, kPair>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -298,6 +303,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
+  if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
+    return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  if (args.rows_ready != nullptr && args.ready_value == 0)
+    return internal_error("grouped GEMM: rows_ready with ready_value 0 would wait for nothing");
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
@@ -324,9 +333,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
     if constexpr (ModeTraits<m>::kPairs) {
-      if (pair) return launch_mode<m, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+      if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
-    return launch_mode<m, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    if constexpr (m != GemmMode::kWeightGrad) {  // rows_ready: refused above for kWeightGrad
+      if (args.rows_ready != nullptr)
+        return launch_mode<m, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
+    return launch_mode<m, false, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
   };
   switch (args.mode) {
     case GemmMode::kGateUp: return launch(std::integral_constant<GemmMode, GemmMode::kGateUp>{});

@@ -65,6 +65,18 @@ struct GroupedGemmArgs {
   bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)
   bool accumulate = false;      // kWeightGrad fp32: add to out0
   DeviceErrorSink errors;       // where a timed-out wait is reported (and its bound)
+  // Rows that arrive while the GEMM runs (expert parallelism: tokens from
+  // other ranks land in the pool during the call). M-grouped modes only. When
+  // set, pool tile m (rows 128m..) is loaded only once rows_ready[m] >=
+  // ready_value: whoever writes a tile's rows then adds to or stores its
+  // counter with release semantics (GPU scope, or system scope across GPUs).
+  // A growing ready_value (> 0) lets the same counters serve call after call.
+  // Residency: the GEMM's CTAs fill their SMs and do not leave while they
+  // wait, so a writer on this GPU must already be running when they start
+  // (or the GEMM must leave it SMs: a smaller grid); a peer GPU or a copy
+  // engine has no such constraint. A tile whose rows never come times out.
+  const uint32_t* rows_ready = nullptr;  // [capacity / 128]
+  uint32_t ready_value = 0;
   int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests

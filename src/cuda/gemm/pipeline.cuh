@@ -24,11 +24,15 @@ namespace megamoe::cuda::engine {
 // retires its wgmma groups). No trap: the CUDA context stays usable and the
 // host learns of it from take_device_error (kTimeout).
 //
-// Bounds: full waits (the consumers waiting for loaded stages) give up after
-// timeout_ns; empty and order waits (the producer waiting for consumers, a
-// consumer for the other one) after 2 x timeout_ns. Those are downstream of a
-// stalled full wait, so the wait nearest the cause reports and the others
-// then leave through the abort flag.
+// Bounds: full waits (the consumers waiting for loaded stages) and row waits
+// (the producer waiting for a pool tile's rows to arrive: wait_counter) give
+// up after timeout_ns; empty and order waits (the producer waiting for
+// consumers, a consumer for the other one) after 2 x timeout_ns. Those are
+// downstream of a stalled full wait, so the wait nearest the cause reports
+// and the others then leave through the abort flag. A full wait is itself
+// downstream of a row wait: while the producer holds for rows (bit 1 of the
+// CTA's state word) a full wait past its bound keeps waiting, so the row wait
+// reports and the full waits leave through the abort bit.
 //
 // The grace after seeing the flag: a thread leaves only when its barrier has
 // not completed for that long, so a TMA load issued just before the abort has
@@ -45,28 +49,73 @@ namespace megamoe::cuda::engine {
 inline constexpr uint64_t kAbortGraceNs = 1'000'000;  // 1 ms
 
 struct BoundedWait {
+  // The CTA's state word in shared memory: bit 0 (kAbort) set by the first
+  // wait that gives up; bit 1 (kHoldingForRows) while the producer waits for
+  // a tile's rows.
+  static constexpr uint32_t kAbort = 1u, kHoldingForRows = 2u;
   const DeviceErrorSink& sink;
-  uint32_t* abort_flag;  // shared: set by the first wait of the CTA that gives up
-  uint32_t kernel;       // the KernelId a report names
+  uint32_t* cta_state;
+  uint32_t kernel;  // the KernelId a report names
+  // The kernel's producer may hold for rows (its kHoldRows instantiation): a
+  // constant there, so the others compile without the check below.
+  bool rows_may_hold;
 
+  // An mbarrier phase (the ring's and the order barriers). The polling loop
+  // is kept as it was before the row waits existed: folding both kinds of
+  // wait into one templated loop changed the M-grouped kernels' code.
   __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
     if (ptx::mbar_try_wait(bar, parity)) return true;
     const uint64_t start = global_timer_ns();
-    uint64_t leave_at = ~uint64_t{0};  // set once the abort flag is seen
+    uint64_t leave_at = ~uint64_t{0};  // set once the abort bit is seen
     for (;;) {
       if (ptx::mbar_try_wait(bar, parity)) return true;
       const uint64_t now = global_timer_ns();
       if (now >= leave_at) return false;
-      // Shared-memory atomics (slow path only): the flag is read and written by
+      // Shared-memory atomics (slow path only): the word is read and written by
       // many threads with no barrier between them, by design.
-      if (leave_at == ~uint64_t{0} && atomicOr(abort_flag, 0u) != 0u) leave_at = now + kAbortGraceNs;
+      if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
       const uint64_t waited = now - start;
       if ((barrier == kBarrierFull ? waited : waited / 2) >= sink.timeout_ns) {
-        atomicOr(abort_flag, 1u);
+        // Past its bound a full wait keeps waiting while the producer holds
+        // for rows: the row wait reports (read here only, off the polling path).
+        if (rows_may_hold && barrier == kBarrierFull && (atomicOr(cta_state, 0u) & kHoldingForRows) != 0u) continue;
+        atomicOr(cta_state, kAbort);
         report_timeout(sink, kernel, barrier, phase, waited);
         return false;
       }
     }
+  }
+
+  // Until *counter >= value (a release store or atomic by whoever delivers
+  // the rows, on this GPU or a peer: read with system-scope acquire). Then the
+  // rows it announces may be read by TMA: the proxy fence orders this
+  // thread's acquire before its later async-proxy reads. `tile` names the
+  // wait in a report.
+  __device__ __forceinline__ bool wait_counter(const uint32_t* counter, uint32_t value, uint32_t tile) const {
+    if (ptx::ld_acquire_sys(counter) < value) {
+      atomicOr(cta_state, kHoldingForRows);
+      const uint64_t start = global_timer_ns();
+      uint64_t leave_at = ~uint64_t{0};
+      bool in = false;
+      for (;;) {
+        if (ptx::ld_acquire_sys(counter) >= value) {
+          in = true;
+          break;
+        }
+        const uint64_t now = global_timer_ns();
+        if (now >= leave_at) break;
+        if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
+        if (now - start >= sink.timeout_ns) {
+          atomicOr(cta_state, kAbort);
+          report_timeout(sink, kernel, kBarrierRows, tile, now - start);
+          break;
+        }
+      }
+      atomicAnd(cta_state, ~kHoldingForRows);
+      if (!in) return false;
+    }
+    ptx::fence_proxy_async_global();
+    return true;
   }
 };
 

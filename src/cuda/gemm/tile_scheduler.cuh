@@ -7,9 +7,11 @@
 // the pool's 128-row tiles in pool order (experts in id order), the column
 // tiles of one row tile next to each other, so the row tile's A rows are
 // read from L2 by consecutive tiles; kWeightGrad walks (expert, m, n).
+// With rows_ready, the producer holds a tile until its rows have arrived.
 #pragma once
 
 #include "cuda/gemm/engine_config.cuh"
+#include "cuda/gemm/pipeline.cuh"
 
 namespace megamoe::cuda::engine {
 
@@ -50,6 +52,14 @@ struct TileScheduler {
       tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
     }
     return tile;
+  }
+
+  // Holds the tile until its pool rows are in (GroupedGemmArgs::rows_ready,
+  // set: the kernel's kHoldRows instantiation calls this). The producer calls
+  // it before the tile's first load; false: the wait gave up (reported).
+  __device__ __forceinline__ bool wait_rows_in(const BoundedWait& waits, const Tile& tile) const {
+    static_assert(M != GemmMode::kWeightGrad, "rows_ready holds pool tiles of the M-grouped modes");
+    return waits.wait_counter(p.args.rows_ready + tile.m, p.args.ready_value, static_cast<uint32_t>(tile.m));
   }
 };
 

@@ -19,6 +19,20 @@ __device__ __forceinline__ uint32_t lane_id() {
   return lane;
 }
 
+// A 32-bit load with acquire semantics at system scope: it pairs with a
+// release by another kernel or CTA of this GPU and, through peer memory, by
+// a thread of another GPU (a .gpu acquire would not include that one).
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Orders this thread's earlier generic-proxy accesses of global memory (an
+// acquire, say) before its later async-proxy ones (TMA loads).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // ---- mbarrier -------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));

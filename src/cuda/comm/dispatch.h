@@ -1,0 +1,89 @@
+// Expert-parallel dispatch, the push half (docs/ep-design.md): each source
+// rank sends every token row once to each other rank that hosts at least one
+// of the token's experts, into that rank's receive area at slot [source][token].
+// It also sends every rank the routing of all its tokens (their k expert ids
+// and its token count): from that each owner builds its plan on the device,
+// with no host in between. Once everything for a rank is written it stores
+// the call's epoch into that rank's flag [source] (release, system scope).
+// The owner's GEMMs then read the rows where they landed; its own tokens it
+// reads from its own x.
+//
+// Each rank's symmetric buffer (one PeerView allocation, the same on every rank):
+//   byte 0                  flags u32 [world]: flag[s] = epoch of the last call
+//                           whose data from rank s has all landed here
+//   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
+//   byte 128                tokens u32 [world]: rank s's token count in that call
+//   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
+//                           token t of rank s (written only where it must go)
+//   byte ids_offset()       ids i32 [world][max_tokens][top_k]: the routing of
+//                           every token of rank s (-1 = no route)
+//   byte combine_slots_offset()  (128-aligned) bf16 [top_k][own tokens][hidden]: the expert
+//                           outputs of this rank's routes, returned by their
+//                           owners (cuda/comm/combine.h)
+// Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
+// a token goes at most once to a rank, so nothing can overflow; tokens >
+// max_tokens is an error before any write. Expert e lives on rank
+// e / experts_per_rank.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/host_device.h"
+#include "cuda/comm/peer_memory.h"
+#include "megamoe/status.h"
+
+namespace megamoe::cuda {
+
+struct DispatchLayout {
+  static constexpr size_t kTokensOffset = 128, kRecvOffset = 256;
+  int world = 1;
+  int64_t max_tokens = 0, hidden = 0;
+  int top_k = 0;
+
+  MEGAMOE_HD size_t slot_bytes() const { return static_cast<size_t>(hidden) * 2; }
+  MEGAMOE_HD size_t slot_offset(int src, int64_t token) const {
+    return kRecvOffset + (static_cast<size_t>(src) * max_tokens + token) * slot_bytes();
+  }
+  MEGAMOE_HD size_t ids_offset(int src = 0, int64_t token = 0) const {
+    return kRecvOffset + static_cast<size_t>(world) * max_tokens * slot_bytes() +
+           (static_cast<size_t>(src) * max_tokens + token) * top_k * 4;
+  }
+  // The combine's return area (cuda/comm/combine.h): this rank's own routes'
+  // expert outputs, slots [j][t] of its own T tokens (the layout combine_slots
+  // reads), written by the owners. Its flags: combine flag [owner] at byte 64.
+  static constexpr size_t kCombineFlagsOffset = 64;
+  // Rounded up to 128 bytes: rows move as 16-byte pieces whatever the ids' size.
+  MEGAMOE_HD size_t combine_slots_offset() const { return (ids_offset(world, 0) + 127) & ~size_t{127}; }
+  MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
+    return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
+  }
+  // Rounded up to 256 bytes: peer memory is allocated in multiples of 256.
+  MEGAMOE_HD size_t bytes() const {
+    const size_t end = combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes();
+    return (end + 255) & ~size_t{255};
+  }
+};
+
+// Not yet: a sender does not wait for the receiver to be done with the slots,
+// ids and count of the previous call before it overwrites them. Until the
+// consumer side exists (and with it a per-(source, destination) "consumed"
+// epoch the sender waits on, or buffers alternating by epoch parity), a
+// caller must order calls itself.
+struct DispatchArgs {
+  const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens
+  const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
+  int64_t tokens = 0;
+  int experts_per_rank = 0;
+  uint32_t epoch = 0;                 // > 0, growing from call to call
+  uint32_t* blocks_done = nullptr;    // device u32, 0 before the first call (the kernel leaves it 0);
+                                      // one per stream: concurrent calls must not share it
+};
+
+// Async on `stream`; the rows and flags land on the peers when it completes.
+Status dispatch_push(const PeerView& view, const DispatchLayout& layout, const DispatchArgs& args,
+                     cudaStream_t stream);
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,152 @@
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <string>
+
+#include "core/fp8_scale.h"
+#include "cuda/common/cuda_status.h"
+#include "cuda/fp8/quantize.h"
+
+namespace megamoe::cuda {
+namespace {
+
+constexpr int kTile = 128;
+
+__device__ __forceinline__ float tile_scale(float amax, Fp8Scale kind) {
+  return kind == Fp8Scale::kFloat32 ? fp8_scale_fp32(amax) : fp8_scale_pow2(amax);
+}
+
+// |v| folded into a running amax; NaN wins (fmaxf alone would drop it), as in
+// the CPU reference's fake_quantize_e4m3.
+__device__ __forceinline__ float fold_amax(float amax, float v) {
+  const float a = fabsf(v);
+  return (a != a || amax != amax) ? __int_as_float(0x7FC00000) : fmaxf(amax, a);
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp per (row, 128-column tile): each lane holds 4 consecutive values.
+__global__ void quantize_rows_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
+                                     float* scales) {
+  const int64_t tiles_per_row = cols / kTile;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (warp >= rows * tiles_per_row) return;  // whole warps leave together
+  const int64_t row = warp / tiles_per_row, tile = warp % tiles_per_row;
+  const int64_t first = row * cols + tile * kTile + lane * 4;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + first);
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  float v[4];
+  for (int i = 0; i < 2; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+  float amax = 0.0f;
+  for (float e : v) amax = fold_amax(amax, e);
+  for (int o = 16; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const float s = tile_scale(amax, kind);
+  uint32_t packed = 0;
+  for (int i = 0; i < 4; ++i) packed |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * i);
+  *reinterpret_cast<uint32_t*>(q + first) = packed;
+  if (lane == 0) scales[row * tiles_per_row + tile] = s;
+}
+
+// One 256-thread block per 128 x 128 tile; each thread 64 values (8 rows x 8
+// columns: row r0 + 16 i, columns 8 (t % 16) ..). The transposed copy goes
+// through shared memory so that both stores are row-contiguous.
+__global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
+                                       uint8_t* q_t, float* scales) {
+  __shared__ float warp_amax[8];
+  __shared__ uint8_t tile_t[kTile][kTile + 4];  // [column][row], padded against bank conflicts
+  const int64_t tiles_r = rows / kTile, tiles_c = cols / kTile;
+  const int64_t b = blockIdx.x / (tiles_r * tiles_c), rc = blockIdx.x % (tiles_r * tiles_c);
+  const int64_t tr = rc / tiles_c, tc = rc % tiles_c;
+  const __nv_bfloat16* src = w + b * rows * cols + tr * kTile * cols + tc * kTile;
+  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = t / 16;
+  float v[8][8];
+  float amax = 0.0f;
+  for (int i = 0; i < 8; ++i) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + 16 * i) * cols + c8);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j]);
+      v[i][2 * j] = f.x, v[i][2 * j + 1] = f.y;
+      amax = fold_amax(fold_amax(amax, f.x), f.y);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  if ((t & 31) == 0) warp_amax[t / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int i = 0; i < 8; ++i) amax = fold_amax(amax, warp_amax[i]);
+  const float s = tile_scale(amax, kind);
+  uint8_t* dst = q + b * rows * cols + tr * kTile * cols + tc * kTile;
+  for (int i = 0; i < 8; ++i) {
+    const int r = r0 + 16 * i;
+    uint2 packed = make_uint2(0, 0);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t e = to_e4m3(v[i][j], s);
+      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(e) << (8 * (j % 4));
+      if (q_t != nullptr) tile_t[c8 + j][r] = e;
+    }
+    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r) * cols + c8) = packed;
+  }
+  if (t == 0) scales[b * tiles_r * tiles_c + tr * tiles_c + tc] = s;
+  if (q_t == nullptr) return;
+  __syncthreads();
+  // q_t [batch, cols, rows]: row c of the transposed tile holds column c of the tile.
+  uint8_t* dst_t = q_t + b * cols * rows + tc * kTile * rows + tr * kTile;
+  for (int i = 0; i < 8; ++i) {
+    const int c = r0 + 16 * i;
+    uint2 packed = make_uint2(0, 0);
+    for (int j = 0; j < 8; ++j)
+      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(tile_t[c][c8 + j]) << (8 * (j % 4));
+    *reinterpret_cast<uint2*>(dst_t + static_cast<int64_t>(c) * rows + c8) = packed;
+  }
+}
+
+Status check_shape(const char* what, int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0 || rows % kTile != 0 || cols % kTile != 0)
+    return invalid_argument(std::string(what) + ": rows = " + std::to_string(rows) +
+                            " and cols = " + std::to_string(cols) + " must be positive multiples of 128");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
+                          cudaStream_t stream) {
+  // Rows need not be a multiple of 128 here (1 x 128 tiles): only cols.
+  if (rows <= 0 || cols <= 0 || cols % kTile != 0)
+    return invalid_argument("fp8 row quantizer: rows = " + std::to_string(rows) + " must be positive and cols = " +
+                            std::to_string(cols) + " a positive multiple of 128");
+  if (x == nullptr || q == nullptr || scales == nullptr)
+    return invalid_argument("fp8 row quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(x) % 8 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0)
+    return invalid_argument("fp8 row quantizer: x must be 8-byte and q 4-byte aligned");
+  const int64_t warps = rows * (cols / kTile);
+  const int64_t blocks = (warps * 32 + 255) / 256;
+  quantize_rows_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
+                                                                          cols, scale, q, scales);
+  return cuda_status("fp8 row quantizer", cudaGetLastError());
+}
+
+Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
+                            uint8_t* q_t, float* scales, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 block quantizer", rows, cols));
+  if (batch <= 0)
+    return invalid_argument("fp8 block quantizer: batch = " + std::to_string(batch) + " must be positive");
+  if (w == nullptr || q == nullptr || scales == nullptr)
+    return invalid_argument("fp8 block quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
+    return invalid_argument("fp8 block quantizer: w must be 16-byte, q and q_t 8-byte aligned");
+  const int64_t tiles = batch * (rows / kTile) * (cols / kTile);
+  quantize_blocks_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows,
+                                                                           cols, scale, q, q_t, scales);
+  return cuda_status("fp8 block quantizer", cudaGetLastError());
+}
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,36 @@
+// Block-scaled FP8 (e4m3) quantizers of the DeepSeek-V3 style recipe
+// (reference/numerics.h states it; core/fp8_scale.h is the scale rule, shared
+// with the CPU reference, which these match bit for bit):
+//   q = e4m3_satfinite(v / s) (IEEE fp32 division, cvt.rn.satfinite), one
+//   scale s per tile.
+//
+// Layouts (row-major, bytes):
+//   rows:   x bf16 [rows, cols] -> q u8 [rows, cols], scales f32 [rows, cols / 128]
+//           (1 x 128 tiles along the row: activations and output gradients,
+//           K along the row).
+//   blocks: w bf16 [batch, rows, cols] -> q u8 [batch, rows, cols], optionally
+//           q_t u8 [batch, cols, rows] (the same bytes transposed: the other
+//           orientation a backward GEMM reads K-major), scales f32
+//           [batch, rows / 128, cols / 128] (128 x 128 tiles: weights; a tile's
+//           scale serves both orientations).
+// rows and cols must be multiples of 128 (the layer's shapes are). Async on
+// `stream`; no host synchronisation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/status.h"
+
+namespace megamoe::cuda {
+
+enum class Fp8Scale { kFloat32, kPowerOfTwo };
+
+Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
+                          cudaStream_t stream);
+
+Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
+                            uint8_t* q_t, float* scales, cudaStream_t stream);
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,197 @@
+// The GPU FP8 quantizers (cuda/fp8/quantize.h) against the CPU reference's
+// rule: s = numerics::block_scale(amax of the tile), q = e4m3_from_float(v / s).
+// The same bytes and the same scale bits, for both scale kinds, on data whose
+// tiles span 2^-40 .. 2^40 and include an all-zero tile, a tile of tiny values
+// and a tile holding a NaN. The shape checks need no GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/fp8/quantize.h"
+#include "gpu_test_util.h"
+#include "reference/numerics.h"
+
+namespace megamoe::testing {
+namespace {
+
+using numerics::ScaleKind;
+
+// bf16 bits of tile-varied data: element i of tile `tile` is sign * 2^(tile % 11 * 8 - 40) * (0.5 + frac).
+std::vector<uint16_t> make_data(int64_t n, int64_t tile_of_stride, uint32_t seed) {
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  uint32_t state = seed;
+  for (int64_t i = 0; i < n; ++i) {
+    state = state * 1664525u + 1013904223u;
+    const double frac = (state >> 8) / double(1u << 24);
+    const int64_t tile = i / tile_of_stride;
+    const double mag = std::ldexp(0.5 + frac, static_cast<int>(tile % 11) * 8 - 40);
+    bits[static_cast<size_t>(i)] = numerics::bf16_bits_from_float(static_cast<float>((state & 1) ? -mag : mag));
+  }
+  return bits;
+}
+
+float bf16(uint16_t b) { return numerics::float_from_bf16_bits(b); }
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// The reference's quantization of one tile given its element values.
+void reference_tile(const std::vector<float>& v, ScaleKind kind, std::vector<uint8_t>* q, float* scale) {
+  float amax = 0.0f;
+  for (float e : v) {
+    const float a = std::fabs(e);
+    amax = std::isnan(a) || std::isnan(amax) ? std::nanf("") : std::max(amax, a);
+  }
+  *scale = numerics::block_scale(amax, kind);
+  q->resize(v.size());
+  for (size_t i = 0; i < v.size(); ++i) (*q)[i] = numerics::e4m3_from_float(v[i] / *scale);
+}
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess); }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> get(size_t n) const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+class Fp8Quantize : public ::testing::TestWithParam<ScaleKind> {
+ protected:
+  cuda::Fp8Scale kind() const {
+    return GetParam() == ScaleKind::kFloat32 ? cuda::Fp8Scale::kFloat32 : cuda::Fp8Scale::kPowerOfTwo;
+  }
+};
+
+TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
+  MEGAMOE_REQUIRE_GPU();
+  const int64_t rows = 37, cols = 384, tiles = cols / 128;  // rows need not be a multiple of 128
+  std::vector<uint16_t> x = make_data(rows * cols, 128, 11);
+  const uint16_t tiny = numerics::bf16_bits_from_float(1e-39f);  // a bf16 subnormal
+  for (int64_t c = 0; c < 128; ++c) {
+    x[static_cast<size_t>(c)] = 0;                  // row 0, tile 0: all zero
+    x[static_cast<size_t>(cols + 128 + c)] = tiny;  // row 1, tile 1: tiny values
+  }
+  x[static_cast<size_t>(2 * cols + 256 + 5)] = 0x7FC0;  // row 2, tile 2: a NaN
+  x[static_cast<size_t>(3 * cols + 9)] = 0xFF80;        // row 3, tile 0: -inf
+  Dev<uint16_t> dx(x.size());
+  Dev<uint8_t> dq(x.size());
+  Dev<float> ds(static_cast<size_t>(rows * tiles));
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dx.p, rows, cols, kind(), dq.p, ds.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto q = dq.get(x.size());
+  const auto s = ds.get(static_cast<size_t>(rows * tiles));
+  int64_t bytes_differ = 0, scales_differ = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < tiles; ++t) {
+      std::vector<float> v(128);
+      for (int64_t c = 0; c < 128; ++c) v[c] = bf16(x[static_cast<size_t>(r * cols + t * 128 + c)]);
+      std::vector<uint8_t> want;
+      float scale;
+      reference_tile(v, GetParam(), &want, &scale);
+      scales_differ += float_bits(scale) != float_bits(s[static_cast<size_t>(r * tiles + t)]);
+      for (int64_t c = 0; c < 128; ++c) bytes_differ += want[c] != q[static_cast<size_t>(r * cols + t * 128 + c)];
+    }
+  EXPECT_EQ(scales_differ, 0);
+  EXPECT_EQ(bytes_differ, 0);
+  EXPECT_TRUE(std::isnan(s[static_cast<size_t>(2 * tiles + 2)])) << "the NaN tile's scale";
+  EXPECT_TRUE(std::isinf(s[static_cast<size_t>(3 * tiles)])) << "the inf tile's scale";
+  EXPECT_EQ(s[0], 1.0f) << "the zero tile's scale";
+}
+
+TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {
+  MEGAMOE_REQUIRE_GPU();
+  const int64_t batch = 2, rows = 256, cols = 384, tr = rows / 128, tc = cols / 128;
+  const int64_t n = batch * rows * cols;
+  // Each 128 x 128 tile its own magnitude (2^-40 .. 2^40), then: batch 0 tile (0, 1) all zero, tile (1, 2)
+  // tiny (bf16 subnormals), batch 1 tile (1, 1) a NaN, tile (0, 2) an inf.
+  std::vector<uint16_t> w(static_cast<size_t>(n));
+  uint32_t state = 23;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        state = state * 1664525u + 1013904223u;
+        const int64_t tile = (b * tr + r / 128) * tc + c / 128;
+        const double mag = std::ldexp(0.5 + (state >> 8) / double(1u << 24), static_cast<int>(tile * 7 % 81) - 40);
+        w[static_cast<size_t>((b * rows + r) * cols + c)] =
+            numerics::bf16_bits_from_float(static_cast<float>((state & 1) ? -mag : mag));
+      }
+  for (int64_t r = 0; r < 128; ++r)
+    for (int64_t c = 0; c < 128; ++c) {
+      w[static_cast<size_t>(r * cols + 128 + c)] = 0;
+      w[static_cast<size_t>((128 + r) * cols + 256 + c)] = numerics::bf16_bits_from_float(1e-39f);
+    }
+  w[static_cast<size_t>(rows * cols + 130 * cols + 200)] = 0x7FC0;  // batch 1, tile (1, 1): a NaN
+  w[static_cast<size_t>(rows * cols + 5 * cols + 300)] = 0x7F80;    // batch 1, tile (0, 2): +inf
+  Dev<uint16_t> dw(static_cast<size_t>(n));
+  Dev<uint8_t> dq(static_cast<size_t>(n)), dqt(static_cast<size_t>(n));
+  Dev<float> ds(static_cast<size_t>(batch * tr * tc));
+  ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_blocks(dw.p, batch, rows, cols, kind(), dq.p, dqt.p, ds.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto q = dq.get(static_cast<size_t>(n)), qt = dqt.get(static_cast<size_t>(n));
+  const auto s = ds.get(static_cast<size_t>(batch * tr * tc));
+  int64_t bytes_differ = 0, transposed_differ = 0, scales_differ = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < tr; ++i)
+      for (int64_t j = 0; j < tc; ++j) {
+        std::vector<float> v(128 * 128);
+        auto at = [&](int64_t r, int64_t c) { return b * rows * cols + (i * 128 + r) * cols + j * 128 + c; };
+        for (int64_t r = 0; r < 128; ++r)
+          for (int64_t c = 0; c < 128; ++c) v[r * 128 + c] = bf16(w[static_cast<size_t>(at(r, c))]);
+        std::vector<uint8_t> want;
+        float scale;
+        reference_tile(v, GetParam(), &want, &scale);
+        scales_differ += float_bits(scale) != float_bits(s[static_cast<size_t>((b * tr + i) * tc + j)]);
+        for (int64_t r = 0; r < 128; ++r)
+          for (int64_t c = 0; c < 128; ++c) {
+            bytes_differ += want[r * 128 + c] != q[static_cast<size_t>(at(r, c))];
+            const int64_t t_at = b * cols * rows + (j * 128 + c) * rows + i * 128 + r;  // q_t [batch, cols, rows]
+            transposed_differ += want[r * 128 + c] != qt[static_cast<size_t>(t_at)];
+          }
+      }
+  EXPECT_EQ(scales_differ, 0);
+  EXPECT_EQ(bytes_differ, 0);
+  EXPECT_EQ(transposed_differ, 0);
+  EXPECT_TRUE(std::isnan(s[static_cast<size_t>((1 * tr + 1) * tc + 1)])) << "the NaN tile's scale";
+  EXPECT_TRUE(std::isinf(s[static_cast<size_t>((1 * tr + 0) * tc + 2)])) << "the inf tile's scale";
+  EXPECT_EQ(s[1], 1.0f) << "the zero tile's scale";
+}
+
+std::string scale_name(const ::testing::TestParamInfo<ScaleKind>& p) {
+  return p.param == ScaleKind::kFloat32 ? "fp32" : "pow2";
+}
+INSTANTIATE_TEST_SUITE_P(Scales, Fp8Quantize, ::testing::Values(ScaleKind::kFloat32, ScaleKind::kPowerOfTwo),
+                         scale_name);
+
+// No GPU needed: shapes are checked before anything is launched.
+TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
+  uint8_t q;
+  float s;
+  const uint16_t x = 0;
+  const Status rows = cuda::quantize_e4m3_rows(&x, 4, 100, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
+  EXPECT_EQ(rows.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rows.message().find("cols = 100 a positive multiple of 128"), std::string::npos) << rows.message();
+  const Status blocks = cuda::quantize_e4m3_blocks(&x, 1, 200, 128, cuda::Fp8Scale::kFloat32, &q, nullptr, &s, nullptr);
+  EXPECT_EQ(blocks.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(blocks.message().find("rows = 200"), std::string::npos) << blocks.message();
+  alignas(16) uint16_t row[130] = {};
+  alignas(16) uint8_t out[128];
+  const Status misaligned = cuda::quantize_e4m3_rows(row + 1, 1, 128, cuda::Fp8Scale::kFloat32, out, &s, nullptr);
+  EXPECT_NE(misaligned.message().find("x must be 8-byte"), std::string::npos) << misaligned.message();
+}
+
+}  // namespace
+}  // namespace megamoe::testing
