@@ -9,12 +9,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <vector>
 
 #include "cuda/fp8/quantize.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
+
+namespace megamoe::numerics {
+// Test names and parameters print as words, not hex dumps (scripts/run-tests checks).
+void PrintTo(ScaleKind k, std::ostream* os) { *os << (k == ScaleKind::kFloat32 ? "fp32" : "pow2"); }
+}  // namespace megamoe::numerics
 
 namespace megamoe::testing {
 namespace {
