@@ -50,7 +50,7 @@ struct ModeTraits {
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
   // Each consumer has an epilogue buffer of its own: the bf16 staging tile of
-  // the modes that copy their output out in 16-byte rows (kStaged), or
+  // the modes that store their output rows from it by bulk copies (kStaged), or
   // kDownGrad's z chunk, which TMA loads the saved z into and its outputs
   // are stored from (kZChunks); kWeightGrad writes straight from registers.
   static constexpr bool kStaged = M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kGateUpGrad;

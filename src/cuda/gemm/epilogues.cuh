@@ -67,22 +67,33 @@ __device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int h, int i,
   *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(h, i) * kStagingLd + acc_col(i)) = __floats2bfloat162_rn(v0, v1);
 }
 
-// The consumer warpgroup's 128 threads copy a staged [128][cols] bf16 tile to
-// global rows. dst_row(r, chunk) returns the destination (nullptr: skip).
-template <typename RowFn>
-__device__ __forceinline__ void copy_out_bf16(const __nv_bfloat16* staging, int cols, RowFn dst_row) {
-  const int tid = threadIdx.x & 127;
-  const int chunks = cols / 8;
-  for (int c = tid; c < kBlockM * chunks; c += 128) {
-    const int r = c / chunks, cc = c % chunks;
-    __nv_bfloat16* dst = dst_row(r, cc);
-    if (dst != nullptr)
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staging + r * kStagingLd + cc * 8);
-  }
-}
-
 // Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
+
+// The consumer warpgroup's 128 threads store a staged [128][cols] bf16 tile,
+// thread r its row r, as bulk copies of `seg` contiguous destination columns
+// each: dst(r, s) is the destination of segment s (nullptr: skip). The copies
+// run on while the consumer goes on; the staging tile may be written again
+// only after staging_free(). Every thread first fences its own staging writes
+// toward the async proxy, then the warpgroup syncs, so each row is complete.
+template <typename SegFn>
+__device__ __forceinline__ void store_rows_async(const __nv_bfloat16* staging, int cols, int seg, SegFn dst) {
+  fence_proxy_async_shared();
+  consumer_sync();
+  const int r = threadIdx.x & 127;
+  for (int s = 0; s < cols / seg; ++s) {
+    __nv_bfloat16* d = dst(r, s);
+    if (d != nullptr) bulk_store(d, staging + r * kStagingLd + s * seg, static_cast<uint32_t>(seg * sizeof(__nv_bfloat16)));
+  }
+  bulk_commit_group();
+}
+
+// The staging tile may be overwritten: every thread's copies have read it.
+__device__ __forceinline__ void staging_free() {
+  bulk_wait_group_read<0>();
+  consumer_sync();
+}
+
 
 // What one consumer's epilogue works with besides the accumulators. Its own
 // buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
@@ -98,16 +109,15 @@ struct EpilogueContext {
 };
 
 // What every epilogue starts with: the barrier after which the previous
-// tile's copy-out has finished reading staging and tile_src. Slot-writing
-// modes look up each row's source once (the load overlaps the barrier); the
-// copy-out loop then reads shared memory, not a dependent global load per
-// 16-byte store.
+// tile's stores have finished reading staging (staging_free) and tile_src.
+// Slot-writing modes look up each row's source once (the load overlaps the
+// barrier); the stores then read shared memory, not a dependent global load.
 template <bool kSlots>
 __device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm) {
   const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
   int32_t my_src = 0;
   if (kSlots && tid < kBlockM) my_src = plan.row_src[pool_row0 + tid];
-  consumer_sync();
+  staging_free();
   if (kSlots && tid < kBlockM) sm.tile_src[tid] = my_src;
 }
 
@@ -133,12 +143,10 @@ struct Epilogue<GemmMode::kGateUp> {
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int i = 0; i < 64; i += 2) stage_pair(staging, h, i, acc[h][i], acc[h][i + 1]);
-      consumer_sync();
-      copy_out_bf16(staging, kBlockN, [&](int r, int cc) {
-        const int64_t col = cc < 8 ? tile.n * 64 + cc * 8 : I + tile.n * 64 + (cc - 8) * 8;
-        return z_pool + (pool_row0 + r) * 2 * I + col;
+      store_rows_async(staging, kBlockN, 64, [&](int r, int s) {  // s = 0: gate columns, 1: up columns
+        return z_pool + (pool_row0 + r) * 2 * I + s * I + tile.n * 64;
       });
-      consumer_sync();
+      staging_free();
     }
     if (a_pool != nullptr) {  // null when the backward recomputes z only
 #pragma unroll
@@ -149,8 +157,7 @@ struct Epilogue<GemmMode::kGateUp> {
           const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
           stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
         }
-      consumer_sync();
-      copy_out_bf16(staging, 64, [&](int r, int cc) { return a_pool + (pool_row0 + r) * I + tile.n * 64 + cc * 8; });
+      store_rows_async(staging, 64, 64, [&](int r, int) { return a_pool + (pool_row0 + r) * I + tile.n * 64; });
     }
     return true;
   }
@@ -185,13 +192,12 @@ struct SlotEpilogue {
         stage_pair(staging, h, i, w * acc[h][i], w * acc[h][i + 1]);
       }
     }
-    consumer_sync();
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
-    copy_out_bf16(staging, kBlockN, [&](int r, int cc) -> __nv_bfloat16* {
+    store_rows_async(staging, kBlockN, kBlockN, [&](int r, int) -> __nv_bfloat16* {
       const int src = sm.tile_src[r];
       if (src < 0) return nullptr;
       const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
-      return slots + slot_row * N + tile.n * kBlockN + cc * 8;
+      return slots + slot_row * N + tile.n * kBlockN;
     });
     return true;
   }

@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
       if (!ring.wait_full(waits, ps)) {
         wgmma_wait<0>();  // retire the previous k-block's group before leaving
+        bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
         return;
       }
       const uint8_t* sa = smem + ps.stage() * kStageBytes;
@@ -234,7 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc[1]);
     if (tile.k_blocks > 0) release(ps.previous_stage());
     if ((threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
-    if (!Epilogue<M>{}(p, tile, acc, ctx)) return;
+    if (!Epilogue<M>{}(p, tile, acc, ctx)) {
+      bulk_wait_group<0>();
+      return;
+    }
     // kDownGrad: the buffer is free again (the storer, this same thread, saw
     // the last TMA store read it); the next tile's first z chunk loads now.
     if constexpr (Tr::kZChunks) {
@@ -242,8 +246,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (next < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(next), 0);
     }
   }
-  // An epilogue's TMA stores have left shared memory; let them land before the kernel ends.
-  if constexpr (Tr::kZChunks) bulk_wait_group<0>();
+  // The epilogues' bulk and TMA stores still read shared memory; let them land before the kernel ends.
+  if constexpr (Tr::kZChunks || Tr::kStaged) bulk_wait_group<0>();
 }
 
 template <GemmMode M, bool kPair, bool kHoldRows>
