@@ -235,7 +235,23 @@ TEST(DevicePlanErrors, KeyIsTheFirstBadRoute) {
     build_on_device(bad_idx, T, k, E, C, &dev);
     if (HasFatalFailure()) return;
     EXPECT_EQ(dev.error_key, want) << "route " << (dev.error_key >> 2) << ", kind " << (dev.error_key & 3);
+    // The check alone (an EP rank's own routing) finds the same route.
+    DeviceI32 d_idx(T * k), key(2);
+    ASSERT_EQ(cudaMemcpy(d_idx.get(), bad_idx.data(), bad_idx.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    auto* key_ptr = reinterpret_cast<unsigned long long*>(key.get());
+    MEGAMOE_ASSERT_OK(cuda::check_routing(d_idx.get(), T, k, E, key_ptr, nullptr));
+    unsigned long long checked = 0;
+    ASSERT_EQ(cudaMemcpy(&checked, key_ptr, sizeof checked, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(checked, want) << "check_routing: route " << (checked >> 2) << ", kind " << (checked & 3);
   }
+  // And nothing on a good routing.
+  DeviceI32 d_idx(T * k), key(2);
+  ASSERT_EQ(cudaMemcpy(d_idx.get(), idx.data(), idx.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  auto* key_ptr = reinterpret_cast<unsigned long long*>(key.get());
+  MEGAMOE_ASSERT_OK(cuda::check_routing(d_idx.get(), T, k, E, key_ptr, nullptr));
+  unsigned long long checked = 0;
+  ASSERT_EQ(cudaMemcpy(&checked, key_ptr, sizeof checked, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(checked, cuda::kNoPlanError);
 }
 
 }  // namespace

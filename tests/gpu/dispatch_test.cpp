@@ -213,9 +213,11 @@ void push_and_check(const std::vector<int>& devices) {
   struct Rank {
     void* x = nullptr;
     int32_t* idx = nullptr;
+    float* w = nullptr;
     uint32_t* done = nullptr;
     std::vector<uint16_t> x_host;
     std::vector<int32_t> idx_host;
+    std::vector<float> w_host;
   };
   std::vector<Rank> ranks(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -223,6 +225,7 @@ void push_and_check(const std::vector<int>& devices) {
     Rank& R = ranks[static_cast<size_t>(r)];
     ASSERT_EQ(cudaMalloc(&R.x, tokens * hidden * 2), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&R.idx, tokens * k * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&R.w, tokens * k * 4), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&R.done, 4), cudaSuccess);
     ASSERT_EQ(cudaMemset(R.done, 0, 4), cudaSuccess);
     R.x_host.resize(static_cast<size_t>(tokens * hidden));
@@ -248,6 +251,11 @@ void push_and_check(const std::vector<int>& devices) {
       }
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(R.idx, R.idx_host.data(), tokens * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      // Weights that name their (rank, token, slot, call): exact in fp32.
+      R.w_host.resize(static_cast<size_t>(tokens * k));
+      for (int64_t i = 0; i < tokens * k; ++i)
+        R.w_host[static_cast<size_t>(i)] = static_cast<float>(r * 100000 + i) + 0.25f * static_cast<float>(epoch);
+      ASSERT_EQ(cudaMemcpy(R.w, R.w_host.data(), tokens * k * 4, cudaMemcpyHostToDevice), cudaSuccess);
       // Poison: rows 0xFF (never a payload), the header (flags, counts) 0xA5, and the
       // routing copies 0x7F7F7F7F (neither an expert id nor -1, "no route").
       const cuda::PeerView v = group->view(r);
@@ -268,6 +276,7 @@ void push_and_check(const std::vector<int>& devices) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::DispatchArgs a;
       a.x = ranks[static_cast<size_t>(r)].x, a.topk_idx = ranks[static_cast<size_t>(r)].idx;
+      a.topk_weights = ranks[static_cast<size_t>(r)].w;
       a.tokens = count(r, epoch), a.experts_per_rank = per_rank, a.epoch = epoch;
       a.blocks_done = ranks[static_cast<size_t>(r)].done;
       MEGAMOE_ASSERT_OK(cuda::dispatch_push(group->view(r), layout, a, nullptr));
@@ -281,8 +290,15 @@ void push_and_check(const std::vector<int>& devices) {
       ASSERT_EQ(cudaMemcpy(buf.data(), group->view(d).local, buf.size(), cudaMemcpyDeviceToHost), cudaSuccess);
       const auto* flags = reinterpret_cast<const uint32_t*>(buf.data());
       const auto* counts = reinterpret_cast<const uint32_t*>(buf.data() + cuda::DispatchLayout::kTokensOffset);
-      int64_t wrong_rows = 0, wrong_ids = 0, sent = 0;
+      int64_t wrong_rows = 0, wrong_ids = 0, wrong_weights = 0, sent = 0;
       for (int s = 0; s < world; ++s) {
+        // Every source's weights, this rank's own included; past its count untouched.
+        const auto* w = reinterpret_cast<const uint32_t*>(buf.data() + layout.weights_offset(s, 0));
+        for (int64_t i = 0; i < tokens * k; ++i) {
+          uint32_t want = 0x7F7F7F7Fu;
+          if (i < count(s, epoch) * k) std::memcpy(&want, &ranks[static_cast<size_t>(s)].w_host[static_cast<size_t>(i)], 4);
+          wrong_weights += w[i] != want;
+        }
         if (s == d) continue;
         EXPECT_EQ(flags[s], epoch) << "rank " << d << "'s flag from rank " << s;
         const int64_t n = count(s, epoch);
@@ -312,6 +328,7 @@ void push_and_check(const std::vector<int>& devices) {
       EXPECT_EQ(counts[d], 0xA5A5A5A5u) << "rank " << d << " wrote its own count";
       EXPECT_EQ(wrong_rows, 0) << "rank " << d << ", epoch " << epoch;
       EXPECT_EQ(wrong_ids, 0) << "rank " << d << "'s copy of the routing, epoch " << epoch;
+      EXPECT_EQ(wrong_weights, 0) << "rank " << d << "'s copy of the routing weights, epoch " << epoch;
       EXPECT_GT(sent, 0) << "rank " << d << " received nothing: the test would prove little";
     }
     std::vector<std::vector<int32_t>> idx;
@@ -332,6 +349,7 @@ void push_and_check(const std::vector<int>& devices) {
     cudaSetDevice(group->device(r));
     cudaFree(ranks[static_cast<size_t>(r)].x);
     cudaFree(ranks[static_cast<size_t>(r)].idx);
+    cudaFree(ranks[static_cast<size_t>(r)].w);
     cudaFree(ranks[static_cast<size_t>(r)].done);
   }
   cudaSetDevice(0);

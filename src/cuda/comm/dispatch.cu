@@ -28,6 +28,12 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
       for (int d = 0; d < v.world; ++d)
         if (d != v.rank)
           *reinterpret_cast<int32_t*>(static_cast<char*>(v.peers[d]) + layout.ids_offset(v.rank, t) + 4 * lane) = e;
+    // And its routing weights, to this rank too: owners scale their outputs by them.
+    if (a.topk_weights != nullptr && lane < k) {
+      const float w = a.topk_weights[t * k + lane];
+      for (int d = 0; d < v.world; ++d)
+        *reinterpret_cast<float*>(static_cast<char*>(v.peers[d]) + layout.weights_offset(v.rank, t) + 4 * lane) = w;
+    }
     const auto* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x) + t * layout.slot_bytes());
     while (ranks != 0) {
       const int d = __ffs(ranks) - 1;

@@ -17,6 +17,9 @@
 //                           token t of rank s (written only where it must go)
 //   byte ids_offset()       ids i32 [world][max_tokens][top_k]: the routing of
 //                           every token of rank s (-1 = no route)
+//   byte weights_offset()   weights f32 [world][max_tokens][top_k]: their routing
+//                           weights, own rank's included (sent when given), so
+//                           that an owner reads route (v, j)'s weight at v * k + j
 //   byte combine_slots_offset()  (128-aligned) bf16 [top_k][own tokens][hidden]: the expert
 //                           outputs of this rank's routes, returned by their
 //                           owners (cuda/comm/combine.h)
@@ -55,8 +58,11 @@ struct DispatchLayout {
   // expert outputs, slots [j][t] of its own T tokens (the layout combine_slots
   // reads), written by the owners. Its flags: combine flag [owner] at byte 64.
   static constexpr size_t kCombineFlagsOffset = 64;
+  MEGAMOE_HD size_t weights_offset(int src = 0, int64_t token = 0) const {
+    return ids_offset(world, 0) + (static_cast<size_t>(src) * max_tokens + token) * top_k * 4;
+  }
   // Rounded up to 128 bytes: rows move as 16-byte pieces whatever the ids' size.
-  MEGAMOE_HD size_t combine_slots_offset() const { return (ids_offset(world, 0) + 127) & ~size_t{127}; }
+  MEGAMOE_HD size_t combine_slots_offset() const { return (weights_offset(world, 0) + 127) & ~size_t{127}; }
   MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
     return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
   }
@@ -75,6 +81,7 @@ struct DispatchLayout {
 struct DispatchArgs {
   const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
+  const float* topk_weights = nullptr;  // [tokens, layout.top_k] or null: sent to every rank, this one too
   int64_t tokens = 0;
   int experts_per_rank = 0;
   uint32_t epoch = 0;                 // > 0, growing from call to call

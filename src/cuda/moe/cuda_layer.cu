@@ -5,99 +5,16 @@
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/layer_kernels.h"
+#include "cuda/moe/layer_parts.h"
 
 namespace megamoe::cuda {
 namespace {
 
-template <typename T>
-T* at(void* base, const Region& r) {
-  return reinterpret_cast<T*>(static_cast<char*>(base) + r.offset);
-}
-
-// The plan region (saved layout) of a call: in the saved buffer, or in scratch.
-struct PlanView {
-  DevicePlanBuffers plan;
-  void* z_pool;
-};
-
-PlanView plan_view(void* base, const SavedLayout& s, int32_t* chunk_counts) {
-  PlanView v;
-  v.plan.error_key = at<unsigned long long>(base, s.error_key);
-  v.plan.chunk_counts = chunk_counts;
-  v.plan.expert_rows = at<int32_t>(base, s.expert_rows);
-  v.plan.expert_offset = at<int32_t>(base, s.expert_offset);
-  v.plan.tile_expert = at<int32_t>(base, s.tile_expert);
-  v.plan.route_row = at<int32_t>(base, s.route_row);
-  v.plan.row_src = at<int32_t>(base, s.row_src);
-  v.z_pool = at<void>(base, s.z_pool);
-  return v;
-}
-
-struct Carved {
-  PlanView pv;
-  void *xdy_pool, *a_pool, *slots, *dz_pool;
-  float* dw_partial;
-  int64_t capacity;
-};
-
-Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
-  ScratchLayout sl;
-  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
-  MEGAMOE_RETURN_IF_ERROR(pool_capacity(call.dims, &c->capacity));
-  auto* chunk_counts = at<int32_t>(b.scratch, sl.chunk_counts);
-  if (b.saved != nullptr) {
-    SavedLayout s;
-    MEGAMOE_RETURN_IF_ERROR(saved_layout(call.dims, &s));
-    c->pv = plan_view(b.saved, s, chunk_counts);
-  } else {
-    c->pv = plan_view(static_cast<char*>(b.scratch) + sl.plan_offset, sl.plan, chunk_counts);
-  }
-  c->xdy_pool = at<void>(b.scratch, sl.xdy_pool);
-  c->a_pool = at<void>(b.scratch, sl.a_pool);
-  c->slots = at<void>(b.scratch, sl.slots);
-  c->dz_pool = at<void>(b.scratch, sl.dz_pool);
-  c->dw_partial = at<float>(b.scratch, sl.dw_partial);
-  return Status::Ok();
-}
-
-int sm_count(int device) {
-  static int counts[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    counts[device] = n > 0 ? n : 132;
-  }
-  return counts[device];
-}
-
-DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d) {
-  DevicePlan p;
-  p.pool_rows = b.expert_offset + d.num_experts;
-  p.tile_expert = b.tile_expert;
-  p.expert_offset = b.expert_offset;
-  p.expert_rows = b.expert_rows;
-  p.row_src = b.row_src;
-  p.num_tokens = static_cast<int>(d.tokens);
-  p.top_k = d.top_k;
-  p.num_experts = d.num_experts;
-  return p;
-}
-
-// An M-grouped GEMM over the pool: A = pool [C, k], B = stacked expert weights [b_rows, b_cols].
-GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
-                          const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n) {
-  GroupedGemmArgs g;
-  g.mode = mode;
-  g.plan = plan;
-  g.n = n;
-  g.k = k;
-  g.intermediate = call.dims.intermediate;
-  g.a = a, g.a_rows = capacity, g.a_cols = k;
-  g.b = b, g.b_rows = b_rows, g.b_cols = b_cols;
-  g.errors = call.errors;
-  return g;
-}
+using detail::Carved;
+using detail::carve;
+using detail::device_plan;
+using detail::pool_gemm;
+using detail::sm_count;
 
 // dW[e] = A_pool^T @ B_pool over each expert's rows.
 GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,

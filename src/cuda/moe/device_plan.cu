@@ -45,6 +45,12 @@ __global__ void plan_count_kernel(const int32_t* topk_idx, int64_t num_tokens, i
   }
 }
 
+__global__ void check_routing_kernel(const int32_t* topk_idx, int64_t num_tokens, int k, int E,
+                                     unsigned long long* error_key) {
+  __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
+  load_chunk(topk_idx, num_tokens, k, E, s_idx, error_key, true);
+}
+
 // One block: per-expert exclusive scan over chunks, then the pool layout.
 __global__ void plan_scan_kernel(int num_chunks, int E, int32_t* chunk_counts, int32_t* expert_rows,
                                  int32_t* expert_offset, int32_t* tile_expert, int32_t* row_src) {
@@ -97,6 +103,18 @@ __global__ void plan_assign_kernel(const int32_t* topk_idx, int64_t num_tokens, 
 
 
 }  // namespace
+
+Status check_routing(const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
+                     unsigned long long* error_key, cudaStream_t stream) {
+  if (top_k > kMaxTopK) return invalid_argument("top_k = " + std::to_string(top_k) + " exceeds the CUDA limit of 32");
+  MEGAMOE_RETURN_IF_ERROR(
+      cuda_status("routing check: reset error key", cudaMemsetAsync(error_key, 0xFF, sizeof(unsigned long long), stream)));
+  const int64_t chunks = (num_tokens + kPlanChunk - 1) / kPlanChunk;
+  if (chunks == 0) return Status::Ok();
+  check_routing_kernel<<<static_cast<unsigned>(chunks), 256, 0, stream>>>(topk_idx, num_tokens, top_k, num_experts,
+                                                                          error_key);
+  return check_launch("check_routing_kernel");
+}
 
 Status build_device_plan(const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
                          const DevicePlanBuffers& b, cudaStream_t stream) {

@@ -32,6 +32,13 @@ struct DevicePlanBuffers {
   int32_t* row_src;
 };
 
+// Only the plan's checks (ids in [-1, E), no expert twice in a token) into
+// *error_key (reset first; kNoPlanError: none). For a rank whose own tokens
+// are planned by their owners (expert parallelism), so that its combine can
+// refuse a bad routing as the one-GPU layer does.
+Status check_routing(const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
+                     unsigned long long* error_key, cudaStream_t stream);
+
 // Builds the plan of `num_tokens` tokens on `stream` (3 launches + 1 memset).
 Status build_device_plan(const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
                          const DevicePlanBuffers& buffers, cudaStream_t stream);

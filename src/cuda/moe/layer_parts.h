@@ -1,0 +1,39 @@
+// Pieces of the layer's launch code that the one-GPU layer (cuda_layer.cu)
+// and the expert-parallel one (ep_layer.cu) share: where each buffer sits in
+// scratch and saved memory, and how a pool GEMM is set up. Host code.
+#pragma once
+
+#include <cstdint>
+
+#include "core/layer_buffers.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/moe/cuda_layer.h"
+#include "cuda/moe/device_plan.h"
+
+namespace megamoe::cuda::detail {
+
+// The plan region (saved layout) of a call: in the saved buffer, or in scratch.
+struct PlanView {
+  DevicePlanBuffers plan;
+  void* z_pool;
+};
+
+struct Carved {
+  PlanView pv;
+  void *xdy_pool, *a_pool, *slots, *dz_pool;
+  float* dw_partial;
+  int64_t capacity;
+};
+
+// The call's buffers (core/layer_buffers.h) as pointers.
+Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c);
+
+int sm_count(int device);
+
+DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
+
+// An M-grouped GEMM over the pool: A = pool [C, k], B = stacked expert weights [b_rows, b_cols].
+GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
+                          const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n);
+
+}  // namespace megamoe::cuda::detail
