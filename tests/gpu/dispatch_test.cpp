@@ -424,10 +424,18 @@ TEST(Dispatch, AnOwnerThatNeverReturnsIsNamed) {
   cuda::DeviceErrorSink errors;
   MEGAMOE_ASSERT_OK(cuda::device_error_sink(0, &errors));
   errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
-  MEGAMOE_ASSERT_OK(cuda::combine_wait(layout, group->view(0).local, 1, errors, nullptr));
+  // The combine's error key, clean before the wait: the timeout must mark it.
+  unsigned long long* key = nullptr;
+  ASSERT_EQ(cudaMalloc(&key, sizeof *key), cudaSuccess);
+  ASSERT_EQ(cudaMemset(key, 0xFF, sizeof *key), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::combine_wait(layout, group->view(0).local, 1, errors, nullptr, key));
   const Status st = cuda::sync_and_take_device_error(0, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   EXPECT_NE(st.message().find("EP combine: rank 1 never delivered its part"), std::string::npos) << st.message();
+  unsigned long long seen = 0;
+  ASSERT_EQ(cudaMemcpy(&seen, key, sizeof seen, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(seen, static_cast<unsigned long long>(cuda::kPlanErrorPeer)) << "the wait did not poison the combine";
+  cudaFree(key);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cuda/common/cuda_status.h"
+#include "cuda/moe/device_plan.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -45,7 +46,8 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
 }
 
 // One lane per owner rank.
-__global__ void combine_wait_kernel(const uint32_t* flags, int world, uint32_t epoch, DeviceErrorSink errors) {
+__global__ void combine_wait_kernel(const uint32_t* flags, int world, uint32_t epoch, DeviceErrorSink errors,
+                                    unsigned long long* poison_key) {
   const int owner = threadIdx.x;
   if (owner >= world) return;
   const uint64_t start = global_timer_ns();
@@ -57,6 +59,7 @@ __global__ void combine_wait_kernel(const uint32_t* flags, int world, uint32_t e
     const uint64_t waited = global_timer_ns() - start;
     if (waited >= errors.timeout_ns) {
       report_timeout(errors, kKernelEpCombine, kBarrierPeer, static_cast<uint32_t>(owner), waited);
+      if (poison_key != nullptr) atomicMin(poison_key, static_cast<unsigned long long>(kPlanErrorPeer));
       return;
     }
     __nanosleep(sleep_ns);
@@ -87,13 +90,13 @@ Status combine_push(const PeerView& v, const DispatchLayout& layout, const Combi
 }
 
 Status combine_wait(const DispatchLayout& layout, const void* buffer, uint32_t epoch, const DeviceErrorSink& errors,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, unsigned long long* poison_key) {
   if (layout.world < 1 || layout.world > 8) return invalid_argument("combine: world not in [1, 8]");
   if (buffer == nullptr) return invalid_argument("combine: the buffer is null");
   if (epoch == 0) return invalid_argument("combine: epoch 0 is the flags' initial value; start at 1");
   const auto* flags = reinterpret_cast<const uint32_t*>(static_cast<const char*>(buffer) +
                                                        DispatchLayout::kCombineFlagsOffset);
-  combine_wait_kernel<<<1, 32, 0, stream>>>(flags, layout.world, epoch, errors);
+  combine_wait_kernel<<<1, 32, 0, stream>>>(flags, layout.world, epoch, errors, poison_key);
   return cuda_status("combine: wait", cudaGetLastError());
 }
 

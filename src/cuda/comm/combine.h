@@ -34,8 +34,11 @@ Status combine_push(const PeerView& view, const DispatchLayout& layout, const Co
 
 // The source's side: until every owner's combine flag in `buffer` (this
 // rank's symmetric buffer) reaches `epoch`; an owner that never comes is
-// reported by rank (kBarrierPeer). Async on `stream`: run combine_slots after it.
+// reported by rank (kBarrierPeer) and, when `poison_key` is given (the
+// routing check's error key that combine_slots reads), marks it failed
+// (kPlanErrorPeer), so that the sum comes out NaN instead of stale slots.
+// Async on `stream`: run combine_slots after it.
 Status combine_wait(const DispatchLayout& layout, const void* buffer, uint32_t epoch, const DeviceErrorSink& errors,
-                    cudaStream_t stream);
+                    cudaStream_t stream, unsigned long long* poison_key = nullptr);
 
 }  // namespace megamoe::cuda

@@ -73,11 +73,12 @@ struct DispatchLayout {
   }
 };
 
-// Not yet: a sender does not wait for the receiver to be done with the slots,
-// ids and count of the previous call before it overwrites them. Until the
-// consumer side exists (and with it a per-(source, destination) "consumed"
-// epoch the sender waits on, or buffers alternating by epoch parity), a
-// caller must order calls itself.
+// The push does not wait for the receivers to be done with the slots, ids,
+// weights and count of the previous call before it overwrites them: its
+// caller orders that. The EP layer (cuda/moe/ep_layer.h) does so by
+// construction: a rank sends call N + 1 only after its combine of call N has
+// seen every owner's return flag, which each owner raises after its last
+// read of call N's data.
 struct DispatchArgs {
   const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route

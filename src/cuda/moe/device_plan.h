@@ -19,7 +19,9 @@ namespace megamoe::cuda {
 inline constexpr int kMaxTopK = 32;
 
 // Error kinds packed in the low 2 bits of error_key.
-enum PlanErrorKind : uint32_t { kPlanErrorOutOfRange = 1, kPlanErrorDuplicate = 2 };
+// kPlanErrorPeer (key 3, route 0): an expert-parallel peer never returned its
+// part (combine_wait): the combine then poisons its output as for a bad id.
+enum PlanErrorKind : uint32_t { kPlanErrorOutOfRange = 1, kPlanErrorDuplicate = 2, kPlanErrorPeer = 3 };
 inline constexpr unsigned long long kNoPlanError = ~0ull;
 
 struct DevicePlanBuffers {

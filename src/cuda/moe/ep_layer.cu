@@ -125,7 +125,8 @@ Status ep_forward_combine(const LayerCall& call, const EpGroup& ep, const LayerI
   MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
   if (y == nullptr) return invalid_argument("EP layer: y is null");
   const EpScratch s = ep_scratch(ep);
-  MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream));
+  // A missing owner poisons y (NaN) besides the report: never stale slots summed.
+  MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
   const void* slots = static_cast<const char*>(ep.view.local) + ep.layout.combine_slots_offset();
   return combine_slots(slots, in.topk_idx, tokens, ep.layout.top_k, ep.num_experts, ep.layout.hidden, s.error_key,
                        call.errors, y, call.stream);

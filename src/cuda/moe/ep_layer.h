@@ -18,6 +18,17 @@
 // bitwise the one-GPU layer's on the whole batch. layer_forward_ep runs the
 // three phases in turn; one process driving several ranks on one GPU runs
 // each phase for every rank before the next (a phase waits for the others').
+//
+// Reuse of the symmetric buffer from call to call needs no extra handshake as
+// long as every rank runs send, experts, combine of a call in that order on
+// one stream: a rank's send of call N + 1 follows its combine of call N, which
+// has waited for every owner's return flag of call N, which each owner raises
+// after its GEMMs have read the last of call N's rows and weights; and an
+// owner can return call N + 1's outputs only after that source's send of call
+// N + 1, i.e. after the source has summed call N's. A rank that never comes is
+// named by the waiting ranks' errors (kBarrierPeer) within errors.timeout_ns,
+// and their y is NaN, never stale.
+// Not yet: the backward, and saving what it needs.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -37,7 +37,10 @@ __global__ void combine_slots_kernel(const uint4* slots, const int32_t* topk_idx
   const bool failed = key != kNoPlanError;
   if (failed && blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long route = key >> 2;
-    report_routing(errors, key, topk_idx[route], static_cast<uint32_t>(k), static_cast<uint32_t>(E));
+    // (A peer's failure, kPlanErrorPeer, names route 0, which may not exist;
+    // its own timeout report came first and stands.)
+    const int32_t id = route < static_cast<unsigned long long>(T * k) ? topk_idx[route] : -1;
+    report_routing(errors, key, id, static_cast<uint32_t>(k), static_cast<uint32_t>(E));
   }
   const int64_t total = T * chunks_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
