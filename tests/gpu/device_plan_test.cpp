@@ -206,6 +206,19 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Routings, DevicePlanVsHost, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return case_name(i.param); });
 
+// check_routing's error key for `idx` (reset by the call itself).
+unsigned long long check_only(const std::vector<int32_t>& idx, int64_t T, int k, int E) {
+  DeviceI32 d_idx(T * k), key(2);
+  EXPECT_EQ(cudaMemset(key.get(), 0, 8), cudaSuccess);  // not kNoPlanError: the reset must happen
+  EXPECT_EQ(cudaMemcpy(d_idx.get(), idx.data(), idx.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  auto* key_ptr = reinterpret_cast<unsigned long long*>(key.get());
+  const Status st = cuda::check_routing(d_idx.get(), T, k, E, key_ptr, nullptr);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  unsigned long long out = 0;
+  EXPECT_EQ(cudaMemcpy(&out, key_ptr, sizeof out, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
 // Invalid routes: error_key is the minimum over bad routes of
 // ((t * k + j) << 2 | kind), whichever 256-token chunk they fall in.
 TEST(DevicePlanErrors, KeyIsTheFirstBadRoute) {
@@ -236,22 +249,10 @@ TEST(DevicePlanErrors, KeyIsTheFirstBadRoute) {
     if (HasFatalFailure()) return;
     EXPECT_EQ(dev.error_key, want) << "route " << (dev.error_key >> 2) << ", kind " << (dev.error_key & 3);
     // The check alone (an EP rank's own routing) finds the same route.
-    DeviceI32 d_idx(T * k), key(2);
-    ASSERT_EQ(cudaMemcpy(d_idx.get(), bad_idx.data(), bad_idx.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    auto* key_ptr = reinterpret_cast<unsigned long long*>(key.get());
-    MEGAMOE_ASSERT_OK(cuda::check_routing(d_idx.get(), T, k, E, key_ptr, nullptr));
-    unsigned long long checked = 0;
-    ASSERT_EQ(cudaMemcpy(&checked, key_ptr, sizeof checked, cudaMemcpyDeviceToHost), cudaSuccess);
+    const unsigned long long checked = check_only(bad_idx, T, k, E);
     EXPECT_EQ(checked, want) << "check_routing: route " << (checked >> 2) << ", kind " << (checked & 3);
   }
-  // And nothing on a good routing.
-  DeviceI32 d_idx(T * k), key(2);
-  ASSERT_EQ(cudaMemcpy(d_idx.get(), idx.data(), idx.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  auto* key_ptr = reinterpret_cast<unsigned long long*>(key.get());
-  MEGAMOE_ASSERT_OK(cuda::check_routing(d_idx.get(), T, k, E, key_ptr, nullptr));
-  unsigned long long checked = 0;
-  ASSERT_EQ(cudaMemcpy(&checked, key_ptr, sizeof checked, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(checked, cuda::kNoPlanError);
+  EXPECT_EQ(check_only(idx, T, k, E), cuda::kNoPlanError) << "check_routing on a good routing";
 }
 
 }  // namespace

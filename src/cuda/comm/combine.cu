@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cuda/comm/peer_ops.cuh"
 #include "cuda/common/cuda_status.h"
 #include "cuda/moe/device_plan.h"
 
@@ -25,23 +26,19 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
       if (a.virtual_idx[vt * k + j] < 0) continue;  // not a route of this owner
       const auto* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.outputs) +
                                                        (static_cast<size_t>(j) * V + vt) * layout.slot_bytes());
-      auto* dst = reinterpret_cast<uint4*>(static_cast<char*>(v.peers[s]) + layout.combine_slot_offset(n, j, t));
-      for (int64_t c = lane; c < chunks; c += 32) dst[c] = src[c];
+      comm::warp_copy_row(
+          reinterpret_cast<uint4*>(static_cast<char*>(v.peers[s]) + layout.combine_slot_offset(n, j, t)), src,
+          chunks, lane);
     }
   }
-  // As in the dispatch: every thread's peer writes, then the last block raises the flags.
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  if (atomicInc(a.blocks_done, gridDim.x - 1) != gridDim.x - 1) return;
-  __threadfence_system();
+  if (!comm::last_block_done(a.blocks_done)) return;
   for (int s = 0; s < v.world; ++s) {
     // A source whose routing never came got nothing from this owner: no flag,
     // so its own wait times out and names this owner rather than summing stale slots.
     if (a.source_counts[s] < 0) continue;
-    auto* flag = reinterpret_cast<uint32_t*>(static_cast<char*>(v.peers[s]) + DispatchLayout::kCombineFlagsOffset) +
-                 v.rank;
-    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
+    comm::store_release_sys(
+        reinterpret_cast<uint32_t*>(static_cast<char*>(v.peers[s]) + DispatchLayout::kCombineFlagsOffset) + v.rank,
+        a.epoch);
   }
 }
 

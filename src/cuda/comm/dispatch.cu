@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cuda/comm/peer_ops.cuh"
 #include "cuda/common/cuda_status.h"
 
 namespace megamoe::cuda {
@@ -38,25 +39,16 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
     while (ranks != 0) {
       const int d = __ffs(ranks) - 1;
       ranks &= ranks - 1;
-      auto* dst = reinterpret_cast<uint4*>(static_cast<char*>(v.peers[d]) + layout.slot_offset(v.rank, t));
-      for (int64_t c = lane; c < chunks; c += 32) dst[c] = src[c];
+      comm::warp_copy_row(reinterpret_cast<uint4*>(static_cast<char*>(v.peers[d]) + layout.slot_offset(v.rank, t)),
+                          src, chunks, lane);
     }
   }
-  // Every thread's peer writes, then the block counts itself done; the last
-  // block raises the flags (and leaves the counter at 0 for the next call).
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  // atomicInc wraps the counter to 0 in the same atomic step as the last
-  // block's increment, so the next call finds it at 0 whatever came before.
-  if (atomicInc(a.blocks_done, gridDim.x - 1) != gridDim.x - 1) return;
-  __threadfence_system();
+  if (!comm::last_block_done(a.blocks_done)) return;
   for (int d = 0; d < v.world; ++d) {
     if (d == v.rank) continue;
     char* peer = static_cast<char*>(v.peers[d]);
     reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] = static_cast<uint32_t>(a.tokens);
-    auto* flag = reinterpret_cast<uint32_t*>(peer) + v.rank;
-    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(a.epoch) : "memory");
+    comm::store_release_sys(reinterpret_cast<uint32_t*>(peer) + v.rank, a.epoch);
   }
 }
 
