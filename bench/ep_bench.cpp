@@ -1,0 +1,284 @@
+// megamoe-ep-bench: the expert-parallel forward (cuda/moe/ep_layer.h) of P
+// ranks in one process, one GPU each when there are enough (else ranks share
+// GPUs: a smoke run, not a measurement), against the same per-GPU expert work
+// without communication: the one-GPU layer over T tokens and E / P experts.
+// Also the dispatch push alone, as GB/s per rank of rows sent to other ranks.
+// Each timing: per rank, CUDA events around its part; the slowest rank's
+// time; the median over iterations after warm-up. Table and JSON.
+// Not yet: the backward (branch ep-backward).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <functional>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/layer_buffers.h"
+#include "cuda/comm/dispatch.h"
+#include "cuda/comm/peer_memory.h"
+#include "cuda/moe/cuda_layer.h"
+#include "cuda/moe/ep_layer.h"
+#include "megamoe/presets.h"
+#include "testing/device_layer.h"
+#include "testing/random_layer.h"
+
+namespace {
+
+using namespace megamoe;
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "megamoe-ep-bench: %s\n", st.to_string().c_str());
+  return 2;
+}
+
+#define BENCH_CHECK(expr)             \
+  do {                                \
+    const ::megamoe::Status s_ = (expr); \
+    if (!s_.ok()) return fail(s_);    \
+  } while (0)
+
+Status cuda_ok(cudaError_t e, const char* what) {
+  return e == cudaSuccess ? Status::Ok() : internal_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct Bytes {  // a device allocation, zeroed, freed on its device
+  void* p = nullptr;
+  int device = 0;
+  Status make(size_t n, int dev) {
+    device = dev;
+    MEGAMOE_RETURN_IF_ERROR(cuda_ok(cudaSetDevice(dev), "cudaSetDevice"));
+    MEGAMOE_RETURN_IF_ERROR(cuda_ok(cudaMalloc(&p, n), "cudaMalloc"));
+    return cuda_ok(cudaMemset(p, 0, n), "cudaMemset");
+  }
+  ~Bytes() {
+    if (p != nullptr) cudaSetDevice(device), cudaFree(p);
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"world", "2"},
+                                            {"routing", "uniform"},      {"iters", "20"},      {"warmup", "3"},
+                                            {"json", ""}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) {
+      std::fprintf(stderr,
+                   "usage: megamoe-ep-bench [--preset %s] [--tokens N per rank] [--world P] "
+                   "[--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]\n",
+                   preset_names().c_str());
+      return 2;
+    }
+    opt[a.substr(2)] = argv[i + 1];
+  }
+  const ModelPreset* shape = find_preset(opt["preset"]);
+  if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
+  const int P = std::atoi(opt["world"].c_str()), iters = std::atoi(opt["iters"].c_str()),
+            warmup = std::atoi(opt["warmup"].c_str());
+  const int64_t T = std::atoll(opt["tokens"].c_str());
+  if (P < 1 || P > 8 || shape->num_experts % P != 0)
+    return fail(invalid_argument("--world " + opt["world"] + ": 1 to 8, dividing the preset's experts"));
+  if (opt["routing"] != "uniform" && opt["routing"] != "skewed")
+    return fail(invalid_argument("--routing " + opt["routing"] + ": uniform or skewed"));
+  const int E = shape->num_experts, L = E / P, k = shape->top_k;
+  const int64_t H = shape->hidden, I = shape->intermediate;
+  int gpus = 0;
+  BENCH_CHECK(cuda_ok(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount"));
+  std::vector<int> devices(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) devices[static_cast<size_t>(r)] = gpus >= P ? r : r % std::max(gpus, 1);
+  const bool shared = gpus < P;
+
+  cuda::DispatchLayout layout;
+  layout.world = P, layout.max_tokens = T, layout.hidden = H, layout.top_k = k;
+  std::unique_ptr<cuda::PeerGroup> group;
+  BENCH_CHECK(cuda::make_one_process_group(devices, layout.bytes(), &group));
+
+  // Per rank: its batch (T tokens routed over all E experts; its own expert
+  // weights are rows [r L, (r + 1) L) of a full set), buffers and calls.
+  MoeProblem p;
+  p.num_tokens = T, p.hidden = H, p.intermediate = I, p.num_experts = E, p.top_k = k, p.max_tokens_per_rank = T;
+  MoeProblem pa = p;  // the no-communication baseline's problem: the rank's experts only
+  pa.num_experts = L;
+  struct Rank {
+    testing::DeviceLayer dev, alone_dev;
+    Bytes scratch, ep_scratch, alone_scratch;
+    cuda::LayerCall call, alone_call;
+    MoeBuffers buffers, alone_buffers;
+    cudaEvent_t start = nullptr, stop = nullptr;
+  };
+  std::vector<std::unique_ptr<Rank>> ranks;
+  cuda::EpGroup probe;
+  probe.layout = layout, probe.num_experts = E;
+  const LayerDims owner = cuda::ep_owner_dims(probe, I);
+  LayerDims alone;  // the same per-GPU expert work, no communication
+  alone.tokens = T, alone.hidden = H, alone.intermediate = I, alone.num_experts = L, alone.top_k = k;
+  for (int r = 0; r < P; ++r) {
+    auto R = std::make_unique<Rank>();
+    const int d = devices[static_cast<size_t>(r)];
+    testing::LayerSpec spec;
+    spec.problem = p, spec.seed = 500 + static_cast<uint64_t>(r), spec.rank = r;
+    spec.routing = opt["routing"] == "skewed" ? testing::Routing::kOneExpert : testing::Routing::kUniform;
+    BENCH_CHECK(testing::make_device_layer(p, testing::make_layer_data(spec), DType::kF32, d, &R->dev));
+    spec.problem = pa;  // T tokens routed the same way over this rank's L experts alone
+    BENCH_CHECK(testing::make_device_layer(pa, testing::make_layer_data(spec), DType::kF32, d, &R->alone_dev));
+    ScratchLayout sl, sa;
+    BENCH_CHECK(scratch_layout(owner, true, &sl));
+    BENCH_CHECK(scratch_layout(alone, true, &sa));
+    BENCH_CHECK(R->scratch.make(sl.bytes, d));
+    BENCH_CHECK(R->ep_scratch.make(cuda::ep_scratch_layout(layout).bytes, d));
+    BENCH_CHECK(R->alone_scratch.make(sa.bytes, d));
+    R->buffers.scratch = R->scratch.p, R->buffers.scratch_bytes = sl.bytes;
+    R->alone_buffers.scratch = R->alone_scratch.p, R->alone_buffers.scratch_bytes = sa.bytes;
+    BENCH_CHECK(cuda::prepare_layer_call(owner, d, nullptr, R->buffers, &R->call));
+    BENCH_CHECK(cuda::prepare_layer_call(alone, d, nullptr, R->alone_buffers, &R->alone_call));
+    BENCH_CHECK(cuda_ok(cudaEventCreate(&R->start), "cudaEventCreate"));
+    BENCH_CHECK(cuda_ok(cudaEventCreate(&R->stop), "cudaEventCreate"));
+    ranks.push_back(std::move(R));
+  }
+  auto inputs = [&](int r, bool alone_work) {
+    const testing::DeviceLayer& D = alone_work ? ranks[static_cast<size_t>(r)]->alone_dev : ranks[static_cast<size_t>(r)]->dev;
+    const int64_t e0 = alone_work ? 0 : int64_t{r} * L;
+    return cuda::LayerInputs{D.x.view().data, static_cast<const int32_t*>(D.topk_idx.view().data),
+                             static_cast<const float*>(D.topk_weights.view().data),
+                             static_cast<const uint16_t*>(D.w13.view().data) + e0 * 2 * I * H,
+                             static_cast<const uint16_t*>(D.w2.view().data) + e0 * H * I};
+  };
+
+  // Times `phases` (each enqueues one phase for one rank) run phase-major;
+  // returns the slowest rank's milliseconds per iteration, median.
+  uint32_t epoch = 0;
+  Status st;
+  auto timed = [&](int n_phases, const std::function<Status(int phase, int r)>& phase) {
+    std::vector<double> samples;
+    for (int it = 0; it < warmup + iters && st.ok(); ++it) {
+      ++epoch;
+      for (int r = 0; r < P && st.ok(); ++r) {
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        if (st.ok()) st = cuda_ok(cudaEventRecord(ranks[static_cast<size_t>(r)]->start, nullptr), "record");
+      }
+      for (int ph = 0; ph < n_phases && st.ok(); ++ph)
+        for (int r = 0; r < P && st.ok(); ++r) {
+          st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+          if (st.ok()) st = phase(ph, r);
+        }
+      double worst = 0;
+      for (int r = 0; r < P && st.ok(); ++r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        if (st.ok()) st = cuda_ok(cudaEventRecord(R.stop, nullptr), "record");
+        if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
+        float ms = 0;
+        if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
+        worst = std::max(worst, static_cast<double>(ms));
+      }
+      if (it >= warmup) samples.push_back(worst);
+    }
+    return median(samples);
+  };
+  auto ep_of = [&](int r) {
+    cuda::EpGroup ep;
+    ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = epoch;
+    ep.scratch = ranks[static_cast<size_t>(r)]->ep_scratch.p;
+    return ep;
+  };
+  const double ep_ms = timed(3, [&](int ph, int r) {
+    Rank& R = *ranks[static_cast<size_t>(r)];
+    const cuda::LayerInputs in = inputs(r, false);
+    void* y = R.dev.y.view().data;
+    if (ph == 0) return cuda::ep_forward_send(R.call, ep_of(r), in, T);
+    if (ph == 1) return cuda::ep_forward_experts(R.call, ep_of(r), in, T, R.buffers);
+    return cuda::ep_forward_combine(R.call, ep_of(r), in, T, y);
+  });
+  // The dispatch alone, then the rest of the forward so that the buffer's
+  // protocol stays in step (only the first phase is inside the events).
+  std::vector<double> push_ms;
+  {
+    std::vector<double> samples;
+    for (int it = 0; it < warmup + iters && st.ok(); ++it) {
+      ++epoch;
+      double worst = 0;
+      for (int r = 0; r < P && st.ok(); ++r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        if (st.ok()) st = cuda_ok(cudaEventRecord(R.start, nullptr), "record");
+        if (st.ok()) st = cuda::ep_forward_send(R.call, ep_of(r), inputs(r, false), T);
+        if (st.ok()) st = cuda_ok(cudaEventRecord(R.stop, nullptr), "record");
+      }
+      for (int ph = 1; ph < 3 && st.ok(); ++ph)
+        for (int r = 0; r < P && st.ok(); ++r) {
+          Rank& R = *ranks[static_cast<size_t>(r)];
+          st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+          if (st.ok())
+            st = ph == 1 ? cuda::ep_forward_experts(R.call, ep_of(r), inputs(r, false), T, R.buffers)
+                         : cuda::ep_forward_combine(R.call, ep_of(r), inputs(r, false), T, R.dev.y.view().data);
+        }
+      for (int r = 0; r < P && st.ok(); ++r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        float ms = 0;
+        if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
+        if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
+        worst = std::max(worst, static_cast<double>(ms));
+      }
+      if (it >= warmup) samples.push_back(worst);
+    }
+    push_ms.push_back(median(samples));
+  }
+  // The same expert work per GPU without communication: T tokens, k routes
+  // each, over L experts (uniform, or slot 0 on one hot expert when skewed).
+  const double alone_ms = timed(1, [&](int, int r) {
+    Rank& R = *ranks[static_cast<size_t>(r)];
+    return cuda::layer_forward(R.alone_call, inputs(r, true), R.alone_dev.y.view().data, R.alone_buffers);
+  });
+  for (int r = 0; r < P && st.ok(); ++r) st = check_device_errors(devices[static_cast<size_t>(r)], nullptr);
+  if (!st.ok()) return fail(st);
+
+  // Rows each rank sends to other ranks (once per token and destination).
+  double sent_rows = 0;
+  {
+    testing::HostTensor idx(DType::kI32, {T, static_cast<int64_t>(k)});
+    BENCH_CHECK(cuda_ok(cudaSetDevice(devices[0]), "cudaSetDevice"));
+    BENCH_CHECK(ranks[0]->dev.topk_idx.download(&idx));
+    const auto* ids = static_cast<const int32_t*>(idx.view.data);
+    for (int64_t t = 0; t < T; ++t) {
+      uint32_t to = 0;
+      for (int j = 0; j < k; ++j)
+        if (ids[t * k + j] >= 0) to |= 1u << (ids[t * k + j] / L);
+      to &= ~1u;  // rank 0 itself
+      sent_rows += __builtin_popcount(to);
+    }
+  }
+  const double sent_gb = sent_rows * static_cast<double>(H) * 2 / 1e9;
+  std::printf("megamoe-ep-bench: %s, %d ranks on GPUs%s, %lld tokens per rank, %s routing (medians of %d after %d)\n",
+              shape->name, P, shared ? " SHARED (not a measurement)" : "", static_cast<long long>(T),
+              opt["routing"].c_str(), iters, warmup);
+  std::printf("%-34s %10s\n", "", "ms");
+  std::printf("%-34s %10.3f\n", "EP forward (slowest rank)", ep_ms);
+  std::printf("%-34s %10.3f\n", "no communication, T tokens, E/P", alone_ms);
+  std::printf("%-34s %10.3f  (%.3f)\n", "ratio EP / no communication", ep_ms / alone_ms, ep_ms / alone_ms);
+  std::printf("%-34s %10.3f  %.1f GB/s (rank 0 sends %.3f GB)\n", "dispatch push alone", push_ms[0],
+              sent_gb / (push_ms[0] / 1e3), sent_gb);
+  if (!opt["json"].empty()) {
+    FILE* f = std::fopen(opt["json"].c_str(), "w");
+    if (f != nullptr) {
+      std::fprintf(f,
+                   "{\"preset\": \"%s\", \"world\": %d, \"shared_gpus\": %s, \"tokens_per_rank\": %lld, "
+                   "\"routing\": \"%s\", \"ep_forward_ms\": %.4f, \"no_comm_forward_ms\": %.4f, "
+                   "\"dispatch_ms\": %.4f, \"dispatch_gb\": %.4f}\n",
+                   shape->name, P, shared ? "true" : "false", static_cast<long long>(T), opt["routing"].c_str(), ep_ms,
+                   alone_ms, push_ms[0], sent_gb);
+      std::fclose(f);
+    }
+  }
+  return 0;
+}
