@@ -448,7 +448,9 @@ TEST(Dispatch, LayoutBytesAreAWholeNumberOf256AndHoldTheLastSlot) {
         for (int top_k : {1, 3, 8}) {
           cuda::DispatchLayout layout;
           layout.world = world, layout.max_tokens = max_tokens, layout.hidden = hidden, layout.top_k = top_k;
-          const size_t end = layout.combine_slot_offset(max_tokens, top_k - 1, max_tokens - 1) + layout.slot_bytes();
+          const size_t end = layout.route_values_offset() + static_cast<size_t>(max_tokens) * top_k * 4;
+          EXPECT_GE(layout.route_values_offset(),
+                    layout.combine_slot_offset(max_tokens, top_k - 1, max_tokens - 1) + layout.slot_bytes());
           EXPECT_EQ(layout.bytes() % 256, 0u) << world << " " << max_tokens << " " << hidden << " " << top_k;
           EXPECT_GE(layout.bytes(), end);
           EXPECT_LT(layout.bytes(), end + 256);

@@ -1,14 +1,17 @@
-// The expert-parallel forward (cuda/moe/ep_layer.h) against the one-GPU layer:
+// The expert-parallel layer (cuda/moe/ep_layer.h) against the one-GPU layer:
 // P ranks, each with its own tokens (counts differ by rank) and E / P experts,
-// must produce y bitwise equal to the one-GPU layer's on the whole batch with
-// all E experts. P = 2, 4 and 8 ranks share one GPU (one process; each phase
+// must produce y, dx, d topk_w, dW13 and dW2 bitwise equal to the one-GPU
+// layer's on the whole batch with all E experts (each rank its tokens' rows
+// and its experts' weight gradients). P = 2, 4 and 8 ranks share one GPU (one process; each phase
 // runs for every rank before the next, since a phase waits for the other
-// ranks' previous one); P = 2 also on two GPUs (MultiGpu.*). Two calls per
-// group, with different batches, exercise the epoch flags. y is poisoned with
-// NaN first, so a rank that wrote nothing fails.
+// ranks' previous one); P = 2 also on two GPUs (MultiGpu.*). Three calls per
+// group, with different batches, exercise the epoch flags: two forward +
+// backward, then a forward that keeps nothing (its plan in scratch). Outputs are
+// poisoned with NaN first, so a rank that wrote nothing fails.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -52,32 +55,65 @@ const T* offset(const TensorView& v, int64_t elements) {
   return static_cast<const T*>(v.data) + elements;
 }
 
-// The one-GPU layer's forward on the whole batch.
-HostTensor one_gpu_forward(const MoeProblem& p, const DeviceLayer& dev) {
-  HostTensor y(DType::kBF16, {p.num_tokens, p.hidden});
+// Rank r's slices of the whole batch's tensors: its tokens from t0, its experts from e0.
+cuda::LayerInputs layer_inputs(const DeviceLayer& D, int64_t t0, int64_t e0, int, const MoeProblem& p) {
+  const int64_t H = p.hidden, I = p.intermediate, k = p.top_k;
+  return {offset<uint16_t>(D.x.view(), t0 * H), offset<int32_t>(D.topk_idx.view(), t0 * k),
+          offset<float>(D.topk_weights.view(), t0 * k), offset<uint16_t>(D.w13.view(), e0 * 2 * I * H),
+          offset<uint16_t>(D.w2.view(), e0 * H * I)};
+}
+cuda::LayerGrads layer_grads(const DeviceLayer& D, int64_t t0, int64_t e0, int, const MoeProblem& p) {
+  const int64_t H = p.hidden, I = p.intermediate, k = p.top_k;
+  cuda::LayerGrads g;
+  g.dx = static_cast<uint16_t*>(D.dx.view().data) + t0 * H;
+  g.d_topk_weights = static_cast<float*>(D.d_topk_weights.view().data) + t0 * k;
+  g.dw13 = static_cast<float*>(D.dw13.view().data) + e0 * 2 * I * H;
+  g.dw2 = static_cast<float*>(D.dw2.view().data) + e0 * H * I;
+  g.wgrad_f32 = true, g.accumulate = false;
+  return g;
+}
+
+// The one-GPU layer's forward and backward on the whole batch (fp32 weight grads).
+LayerOutputs one_gpu_layer(const MoeProblem& p, DeviceLayer& dev) {
+  LayerOutputs out = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
   LayerDims d;
   d.tokens = p.num_tokens, d.hidden = p.hidden, d.intermediate = p.intermediate, d.num_experts = p.num_experts;
   d.top_k = p.top_k;
   ScratchLayout sl;
-  EXPECT_TRUE(scratch_layout(d, true, &sl).ok());
-  DeviceBytes scratch(sl.bytes);
+  SavedLayout sv;
+  EXPECT_TRUE(scratch_layout(d, false, &sl).ok());
+  EXPECT_TRUE(saved_layout(d, &sv).ok());
+  DeviceBytes scratch(sl.bytes), saved(sv.bytes);
   cuda::LayerCall call;
   call.errors.timeout_ns = test_wait_timeout_ns();
   MoeBuffers b;
-  b.scratch = scratch.p, b.scratch_bytes = sl.bytes;
+  b.scratch = scratch.p, b.scratch_bytes = sl.bytes, b.saved = saved.p, b.saved_bytes = sv.bytes;
   Status st = cuda::prepare_layer_call(d, 0, nullptr, b, &call);
-  const cuda::LayerInputs in{dev.x.view().data, static_cast<const int32_t*>(dev.topk_idx.view().data),
-                             static_cast<const float*>(dev.topk_weights.view().data), dev.w13.view().data,
-                             dev.w2.view().data};
+  const cuda::LayerInputs in = layer_inputs(dev, 0, 0, 0, p);
+  const cuda::LayerGrads g = layer_grads(dev, 0, 0, 0, p);
+  if (st.ok()) st = poison_outputs(dev, nullptr);
   if (st.ok()) st = cuda::layer_forward(call, in, dev.y.view().data, b);
+  if (st.ok()) st = cuda::layer_backward(call, in, dev.dy.view().data, g, b);
   if (st.ok()) st = check_device_errors(0, nullptr);
-  if (st.ok()) st = dev.y.download(&y);
+  if (st.ok()) st = download_outputs(dev, &out);
   EXPECT_TRUE(st.ok()) << st.to_string();
-  return y;
+  return out;
 }
 
-// Ranks on `devices` (repeats: several ranks on one GPU), two calls; y of
-// every rank must equal the one-GPU layer's rows of its tokens, bit for bit.
+// Bytes of rows [r0, r1) of `width` elements of `esize` bytes that differ.
+int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0, int64_t r1, int64_t width,
+                       size_t esize) {
+  const auto* g = static_cast<const char*>(got.view.data);
+  const auto* w = static_cast<const char*>(want.view.data);
+  int64_t n = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    n += std::memcmp(g + r * width * esize, w + r * width * esize, static_cast<size_t>(width) * esize) != 0;
+  return n;
+}
+
+// Ranks on `devices` (repeats: several ranks on one GPU), two calls (forward
+// and backward each); every rank's outputs must equal the one-GPU layer's
+// rows of its tokens and experts, bit for bit.
 void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) {
   const int P = c.world, L = c.experts / P, k = c.top_k;
   const int64_t H = c.hidden, I = c.intermediate, base = 150;
@@ -98,9 +134,9 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
   MEGAMOE_ASSERT_OK(cuda::make_one_process_group(devices, layout.bytes(), &group));
 
   struct Rank {
-    std::unique_ptr<DeviceBytes> ep_scratch, scratch;
+    std::unique_ptr<DeviceBytes> ep_scratch, scratch, saved, ep_saved;
     cuda::LayerCall call;
-    MoeBuffers buffers;
+    MoeBuffers buffers, forward_only;  // with the saved buffer, and without
   };
   std::vector<Rank> ranks(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) {
@@ -109,75 +145,100 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
     cuda::EpGroup probe;
     probe.layout = layout, probe.num_experts = c.experts;
     const LayerDims d = cuda::ep_owner_dims(probe, I);
-    ScratchLayout sl;
-    MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl));
+    ScratchLayout sl, sl_alone;
+    SavedLayout sv;
+    MEGAMOE_ASSERT_OK(scratch_layout(d, false, &sl));
+    MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl_alone));  // the plan in scratch too
+    MEGAMOE_ASSERT_OK(saved_layout(d, &sv));
+    sl.bytes = std::max(sl.bytes, sl_alone.bytes);
     R.scratch = std::make_unique<DeviceBytes>(sl.bytes);
+    R.saved = std::make_unique<DeviceBytes>(sv.bytes);
     R.ep_scratch = std::make_unique<DeviceBytes>(cuda::ep_scratch_layout(layout).bytes);
-    ASSERT_NE(R.scratch->p, nullptr);
-    ASSERT_NE(R.ep_scratch->p, nullptr);
+    R.ep_saved = std::make_unique<DeviceBytes>(cuda::ep_saved_layout(layout).bytes);
+    for (const auto* b : {R.scratch.get(), R.saved.get(), R.ep_scratch.get(), R.ep_saved.get()}) ASSERT_NE(b->p, nullptr);
     R.buffers.scratch = R.scratch->p, R.buffers.scratch_bytes = sl.bytes;
+    R.forward_only = R.buffers;
+    R.buffers.saved = R.saved->p, R.buffers.saved_bytes = sv.bytes;
     R.call.errors.timeout_ns = test_wait_timeout_ns();
     MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call));
   }
 
-  for (uint32_t epoch = 1; epoch <= 2; ++epoch) {
-    SCOPED_TRACE("call " + std::to_string(epoch));
+  for (uint32_t call = 1; call <= 3; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    const uint32_t epoch = 3 * call - 2;  // forward; the backward takes the next two
+    const bool backward = call < 3;
     LayerSpec spec;
-    spec.problem = p, spec.routing = c.routing, spec.seed = 90 + epoch;
+    spec.problem = p, spec.routing = c.routing, spec.seed = 90 + call;
     const LayerData data = make_layer_data(spec);
-    // The whole batch on every device the ranks use (rank r reads its slice).
+    // The whole batch on every device the ranks use (rank r reads and writes its slices).
     std::vector<std::unique_ptr<DeviceLayer>> dev(static_cast<size_t>(P));
     for (int r = 0; r < P; ++r) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       dev[static_cast<size_t>(r)] = std::make_unique<DeviceLayer>();
       MEGAMOE_ASSERT_OK(make_device_layer(p, data, DType::kF32, group->device(r), dev[static_cast<size_t>(r)].get()));
-      MEGAMOE_ASSERT_OK(dev[static_cast<size_t>(r)]->y.fill_bytes(0xFF));
     }
     ASSERT_EQ(cudaSetDevice(group->device(0)), cudaSuccess);
-    const HostTensor want = one_gpu_forward(p, *dev[0]);
-    MEGAMOE_ASSERT_OK(dev[0]->y.fill_bytes(0xFF));
+    const LayerOutputs want = one_gpu_layer(p, *dev[0]);
+    for (int r = 0; r < P; ++r) {
+      ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+      MEGAMOE_ASSERT_OK(poison_outputs(*dev[static_cast<size_t>(r)], nullptr));
+    }
 
-    auto rank_call = [&](int r) {
-      const DeviceLayer& D = *dev[static_cast<size_t>(r)];
-      const int64_t t0 = first[static_cast<size_t>(r)];
+    auto ep_of = [&](int r, uint32_t e) {
       cuda::EpGroup ep;
-      ep.view = group->view(r), ep.layout = layout, ep.num_experts = c.experts, ep.epoch = epoch;
+      ep.view = group->view(r), ep.layout = layout, ep.num_experts = c.experts, ep.epoch = e;
       ep.scratch = ranks[static_cast<size_t>(r)].ep_scratch->p;
-      cuda::LayerInputs in{offset<uint16_t>(D.x.view(), t0 * H), offset<int32_t>(D.topk_idx.view(), t0 * k),
-                           offset<float>(D.topk_weights.view(), t0 * k),
-                           offset<uint16_t>(D.w13.view(), int64_t{r} * L * 2 * I * H),
-                           offset<uint16_t>(D.w2.view(), int64_t{r} * L * H * I)};
-      return std::make_pair(ep, in);
+      return ep;
     };
-    for (int phase = 0; phase < 3; ++phase)
+    // Forward (3 phases), then backward (6), each phase for every rank in turn.
+    for (int phase = 0; phase < (backward ? 9 : 3); ++phase)
       for (int r = 0; r < P; ++r) {
         ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
-        const auto [ep, in] = rank_call(r);
+        const DeviceLayer& D = *dev[static_cast<size_t>(r)];
         const Rank& R = ranks[static_cast<size_t>(r)];
-        const int64_t n = count[static_cast<size_t>(r)];
-        void* y = static_cast<uint16_t*>(dev[static_cast<size_t>(r)]->y.view().data) + first[static_cast<size_t>(r)] * H;
-        if (phase == 0) MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, ep, in, n));
-        if (phase == 1) MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, n, R.buffers));
-        if (phase == 2) MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, n, y));
+        const int64_t t0 = first[static_cast<size_t>(r)], n = count[static_cast<size_t>(r)], e0 = int64_t{r} * L;
+        const cuda::LayerInputs in = layer_inputs(D, t0, e0, 0, p);
+        const cuda::LayerGrads g = layer_grads(D, t0, e0, 0, p);
+        const cuda::EpGroup fw = ep_of(r, epoch), bw = ep_of(r, epoch + 1);
+        void* y = static_cast<uint16_t*>(D.y.view().data) + t0 * H;
+        const void* dy = static_cast<const uint16_t*>(D.dy.view().data) + t0 * H;
+        switch (phase) {
+          case 0: MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, fw, in, n)); break;
+          case 1:
+            MEGAMOE_ASSERT_OK(backward ? cuda::ep_forward_experts(R.call, fw, in, n, R.buffers, R.ep_saved->p)
+                                       : cuda::ep_forward_experts(R.call, fw, in, n, R.forward_only));
+            break;
+          case 2: MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, fw, in, n, y)); break;
+          case 3: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_dy(R.call, bw, in, dy, n)); break;
+          case 4: MEGAMOE_ASSERT_OK(cuda::ep_backward_experts(R.call, bw, in, dy, n, g, R.buffers, R.ep_saved->p)); break;
+          case 5: MEGAMOE_ASSERT_OK(cuda::ep_backward_combine(R.call, bw, in, n, g)); break;
+          case 6: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_x(R.call, bw, in, n)); break;
+          case 7: MEGAMOE_ASSERT_OK(cuda::ep_backward_weight_grads(R.call, bw, in, n, g, R.buffers, R.ep_saved->p)); break;
+          default: MEGAMOE_ASSERT_OK(cuda::ep_backward_finish(R.call, bw)); break;
+        }
       }
     for (int r = 0; r < P; ++r) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       MEGAMOE_ASSERT_OK(check_device_errors(group->device(r), nullptr));
-      HostTensor got(DType::kBF16, {total, H});
-      MEGAMOE_ASSERT_OK(dev[static_cast<size_t>(r)]->y.download(&got));
-      const auto* g = static_cast<const uint16_t*>(got.view.data);
-      const auto* w = static_cast<const uint16_t*>(want.view.data);
-      int64_t wrong_rows = 0;
-      for (int64_t t = first[static_cast<size_t>(r)]; t < first[static_cast<size_t>(r)] + count[static_cast<size_t>(r)]; ++t)
-        wrong_rows += std::memcmp(g + t * H, w + t * H, static_cast<size_t>(H) * 2) != 0;
-      EXPECT_EQ(wrong_rows, 0) << "rank " << r << ": rows of y not bitwise the one-GPU layer's";
+      LayerOutputs got = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
+      MEGAMOE_ASSERT_OK(download_outputs(*dev[static_cast<size_t>(r)], &got));
+      const int64_t t0 = first[static_cast<size_t>(r)], t1 = t0 + count[static_cast<size_t>(r)];
+      const int64_t e0 = int64_t{r} * L, e1 = e0 + L;
+      EXPECT_EQ(rows_differing(got.y, want.y, t0, t1, H, 2), 0) << "rank " << r << ": rows of y";
+      if (!backward) continue;
+      EXPECT_EQ(rows_differing(got.dx, want.dx, t0, t1, H, 2), 0) << "rank " << r << ": rows of dx";
+      EXPECT_EQ(rows_differing(got.d_topk_weights, want.d_topk_weights, t0, t1, k, 4), 0)
+          << "rank " << r << ": rows of d topk_w";
+      EXPECT_EQ(rows_differing(got.dw13, want.dw13, e0 * 2 * I, e1 * 2 * I, H, 4), 0)
+          << "rank " << r << ": rows of dW13 of its experts";
+      EXPECT_EQ(rows_differing(got.dw2, want.dw2, e0 * H, e1 * H, I, 4), 0) << "rank " << r << ": rows of dW2";
     }
   }
 }
 
 class EpLayer : public ::testing::TestWithParam<EpCase> {};
 
-TEST_P(EpLayer, ForwardIsBitwiseTheOneGpuLayerOnTheWholeBatch) {
+TEST_P(EpLayer, ForwardAndBackwardAreBitwiseTheOneGpuLayerOnTheWholeBatch) {
   MEGAMOE_REQUIRE_GPU();
   expect_ep_equals_one_gpu(GetParam(), std::vector<int>(static_cast<size_t>(GetParam().world), 0));
 }
@@ -189,7 +250,7 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
                                            EpCase{"P8_E16_k4", 8, 128, 128, 16, 4, Routing::kUniform}),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
-TEST(MultiGpu, EpForwardOverNvlinkIsBitwiseTheOneGpuLayer) {
+TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1});

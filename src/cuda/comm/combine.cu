@@ -1,6 +1,7 @@
 #include "cuda/comm/combine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "cuda/comm/peer_ops.cuh"
@@ -29,6 +30,9 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
       comm::warp_copy_row(
           reinterpret_cast<uint4*>(static_cast<char*>(v.peers[s]) + layout.combine_slot_offset(n, j, t)), src,
           chunks, lane);
+      if (a.route_values != nullptr && lane == 0)
+        reinterpret_cast<float*>(static_cast<char*>(v.peers[s]) + layout.route_values_offset())[t * k + j] =
+            a.route_values[vt * k + j];
     }
   }
   if (!comm::last_block_done(a.blocks_done)) return;
@@ -39,6 +43,24 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
     comm::store_release_sys(
         reinterpret_cast<uint32_t*>(static_cast<char*>(v.peers[s]) + DispatchLayout::kCombineFlagsOffset) + v.rank,
         a.epoch);
+  }
+}
+
+__global__ void combine_signal_kernel(PeerView v, const int64_t* source_counts, uint32_t epoch) {
+  const int s = threadIdx.x;
+  if (s >= v.world || source_counts[s] < 0) return;
+  comm::store_release_sys(
+      reinterpret_cast<uint32_t*>(static_cast<char*>(v.peers[s]) + DispatchLayout::kCombineFlagsOffset) + v.rank,
+      epoch);
+}
+
+__global__ void combine_route_values_kernel(const float* values, const int32_t* topk_idx, int64_t n, int E,
+                                            const unsigned long long* error_key, float* out) {
+  const bool failed = *error_key != kNoPlanError;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t e = topk_idx[i];
+    out[i] = failed ? NAN : (e >= 0 && e < E ? values[i] : 0.0f);
   }
 }
 
@@ -84,6 +106,34 @@ Status combine_push(const PeerView& v, const DispatchLayout& layout, const Combi
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((V + kWarps - 1) / kWarps, 1024));
   combine_push_kernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(v, layout, a);
   return cuda_status("combine: push", cudaGetLastError());
+}
+
+Status combine_signal(const PeerView& v, const DispatchLayout& layout, const int64_t* source_counts, uint32_t epoch,
+                      cudaStream_t stream) {
+  if (v.world < 1 || v.world > 8 || v.peers == nullptr || layout.world != v.world)
+    return invalid_argument("combine: a bad peer view or layout");
+  if (epoch == 0) return invalid_argument("combine: epoch 0 is the flags' initial value; start at 1");
+  if (source_counts == nullptr) return invalid_argument("combine: source_counts is null");
+  combine_signal_kernel<<<1, 32, 0, stream>>>(v, source_counts, epoch);
+  return cuda_status("combine: signal", cudaGetLastError());
+}
+
+Status combine_route_values(const DispatchLayout& layout, const void* buffer, const int32_t* topk_idx,
+                            int64_t tokens, int num_experts, const unsigned long long* error_key, float* out,
+                            cudaStream_t stream) {
+  if (buffer == nullptr || topk_idx == nullptr || error_key == nullptr || out == nullptr)
+    return invalid_argument("combine: a pointer is null");
+  if (tokens < 0 || tokens > layout.max_tokens)
+    return invalid_argument("combine: " + std::to_string(tokens) + " tokens, the layout holds " +
+                            std::to_string(layout.max_tokens));
+  const int64_t n = tokens * layout.top_k;
+  if (n == 0) return Status::Ok();
+  const auto* values =
+      reinterpret_cast<const float*>(static_cast<const char*>(buffer) + layout.route_values_offset());
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 1024);
+  combine_route_values_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(values, topk_idx, n, num_experts,
+                                                                                 error_key, out);
+  return cuda_status("combine: route values", cudaGetLastError());
 }
 
 Status combine_wait(const DispatchLayout& layout, const void* buffer, uint32_t epoch, const DeviceErrorSink& errors,

@@ -24,6 +24,10 @@ struct CombineArgs {
   const void* outputs = nullptr;
   const int32_t* virtual_idx = nullptr;    // [world * max_tokens, top_k]: >= 0 where this owner computed the route
   const int64_t* source_counts = nullptr;  // [world]: each source's token count (-1: a source that never came)
+  // Or null. f32 [world * max_tokens * top_k]: a value per route (v, j) at
+  // v * k + j, sent with its row to the source's route_values [t][j] (the
+  // backward returns d topk_w this way).
+  const float* route_values = nullptr;
   uint32_t epoch = 0;
   uint32_t* blocks_done = nullptr;  // device u32, 0 before the first call; one per stream
 };
@@ -31,6 +35,19 @@ struct CombineArgs {
 // The owner's side: async on `stream`.
 Status combine_push(const PeerView& view, const DispatchLayout& layout, const CombineArgs& args,
                     cudaStream_t stream);
+
+// The owner raises its combine flag on every source whose routing came
+// (source_counts >= 0) and returns nothing: "I am done reading your data of
+// this epoch". After whatever read it on `stream`.
+Status combine_signal(const PeerView& view, const DispatchLayout& layout, const int64_t* source_counts,
+                      uint32_t epoch, cudaStream_t stream);
+
+// The source's route values after combine_wait: out[t, j] = route_values[t, j]
+// for routes with 0 <= topk_idx[t, j] < num_experts, 0 for the others; all
+// NaN when error_key says the routing (or a peer) failed, as combine_slots.
+Status combine_route_values(const DispatchLayout& layout, const void* buffer, const int32_t* topk_idx,
+                            int64_t tokens, int num_experts, const unsigned long long* error_key, float* out,
+                            cudaStream_t stream);
 
 // The source's side: until every owner's combine flag in `buffer` (this
 // rank's symmetric buffer) reaches `epoch`; an owner that never comes is

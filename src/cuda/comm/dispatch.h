@@ -23,6 +23,8 @@
 //   byte combine_slots_offset()  (128-aligned) bf16 [top_k][own tokens][hidden]: the expert
 //                           outputs of this rank's routes, returned by their
 //                           owners (cuda/comm/combine.h)
+//   byte route_values_offset()   (128-aligned) f32 [own tokens][top_k]: one value per
+//                           route returned with them (the backward's d topk_w)
 // Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
 // a token goes at most once to a rank, so nothing can overflow; tokens >
 // max_tokens is an error before any write. Expert e lives on rank
@@ -66,9 +68,12 @@ struct DispatchLayout {
   MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
     return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
   }
+  MEGAMOE_HD size_t route_values_offset() const {
+    return (combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes() + 127) & ~size_t{127};
+  }
   // Rounded up to 256 bytes: peer memory is allocated in multiples of 256.
   MEGAMOE_HD size_t bytes() const {
-    const size_t end = combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes();
+    const size_t end = route_values_offset() + static_cast<size_t>(max_tokens) * top_k * 4;
     return (end + 255) & ~size_t{255};
   }
 };

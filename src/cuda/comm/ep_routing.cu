@@ -67,7 +67,7 @@ __global__ void virtual_routing_kernel(DispatchLayout layout, EpRoutingArgs a) {
 
 __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer, int rank, const uint4* own_x,
                                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity,
-                                      uint4* pool) {
+                                      const int64_t* source_counts, uint4* pool) {
   const int64_t chunks = layout.slot_bytes() / 16;
   const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
   const int64_t total = rows * chunks;
@@ -80,8 +80,12 @@ __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer,
     if (v >= 0) {
       const int s = static_cast<int>(v / k / layout.max_tokens);
       const int64_t t = v / k % layout.max_tokens;
-      value = s == rank ? own_x[t * chunks + c]
-                        : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(s, t))[c];
+      if (source_counts != nullptr && t >= source_counts[s]) {
+        value = make_uint4(~0u, ~0u, ~0u, ~0u);  // NaN: that source did not deliver this row this time
+      } else {
+        value = s == rank ? own_x[t * chunks + c]
+                          : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(s, t))[c];
+      }
     }
     pool[i] = value;
   }
@@ -91,7 +95,7 @@ __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer,
 
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const int64_t* source_counts) {
   if (layout.slot_bytes() % 16 != 0 || layout.top_k < 1)
     return invalid_argument("EP gather: hidden must be a multiple of 8 and top_k >= 1");
   if (buffer == nullptr || own_x == nullptr || row_src == nullptr || pool_rows == nullptr || pool == nullptr)
@@ -103,7 +107,7 @@ Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096));
   gather_ep_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       layout, static_cast<const char*>(buffer), rank, static_cast<const uint4*>(own_x), row_src, pool_rows, capacity,
-      static_cast<uint4*>(pool));
+      source_counts, static_cast<uint4*>(pool));
   return cuda_status("EP gather", cudaGetLastError());
 }
 

@@ -50,10 +50,13 @@ Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArg
 // read from own_x for this rank's own tokens, else from slot [s][t] of the
 // receive area in `buffer`; padding rows (row_src -1) are zeros. Rows past
 // *pool_rows (at most capacity) are not touched. It waits for nothing: run it
-// after build_ep_virtual_routing and the plan, on the same stream. (A copy for
-// now; the GEMM's producer is to read the rows in place once it gathers.)
+// after build_ep_virtual_routing and the plan, on the same stream. With
+// source_counts (this epoch's, from build_ep_virtual_routing), a row of a token
+// its source did not deliver this time (count -1, or t past it: a plan kept
+// from an earlier epoch) is NaN, never the stale slot. (A copy for now; the
+// GEMM's producer is to read the rows in place once it gathers.)
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
-                      cudaStream_t stream);
+                      cudaStream_t stream, const int64_t* source_counts = nullptr);
 
 }  // namespace megamoe::cuda

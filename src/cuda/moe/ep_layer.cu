@@ -4,6 +4,7 @@
 
 #include "cuda/comm/combine.h"
 #include "cuda/comm/ep_routing.h"
+#include "cuda/common/cuda_status.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/layer_kernels.h"
@@ -17,6 +18,7 @@ struct EpScratch {
   unsigned long long* error_key;
   int64_t* source_counts;
   int32_t* virtual_idx;
+  float* route_values;
 };
 
 EpScratch ep_scratch(const EpGroup& ep) {
@@ -24,8 +26,23 @@ EpScratch ep_scratch(const EpGroup& ep) {
   auto* base = static_cast<char*>(ep.scratch);
   return {reinterpret_cast<uint32_t*>(base + l.dispatch_done), reinterpret_cast<uint32_t*>(base + l.combine_done),
           reinterpret_cast<unsigned long long*>(base + l.error_key), reinterpret_cast<int64_t*>(base + l.source_counts),
-          reinterpret_cast<int32_t*>(base + l.virtual_idx)};
+          reinterpret_cast<int32_t*>(base + l.virtual_idx), reinterpret_cast<float*>(base + l.route_values)};
 }
+
+struct EpSaved {
+  int64_t* source_counts;
+  int32_t* virtual_idx;
+  float* weights;
+};
+
+EpSaved ep_saved_view(const EpGroup& ep, const void* saved) {
+  const EpSavedLayout l = ep_saved_layout(ep.layout);
+  auto* base = static_cast<char*>(const_cast<void*>(saved));
+  return {reinterpret_cast<int64_t*>(base + l.source_counts), reinterpret_cast<int32_t*>(base + l.virtual_idx),
+          reinterpret_cast<float*>(base + l.weights)};
+}
+
+size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
 // What every phase checks: the group, the call's dims against it, the inputs.
 Status check_ep_call(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens) {
@@ -56,10 +73,20 @@ Status check_ep_call(const LayerCall& call, const EpGroup& ep, const LayerInputs
 }  // namespace
 
 EpScratchLayout ep_scratch_layout(const DispatchLayout& layout) {
+  const size_t routes = static_cast<size_t>(layout.world) * layout.max_tokens * layout.top_k;
   EpScratchLayout s;
-  s.virtual_idx = s.source_counts + ((static_cast<size_t>(layout.world) * 8 + 255) & ~size_t{255});
-  s.bytes = s.virtual_idx + static_cast<size_t>(layout.world) * layout.max_tokens * layout.top_k * 4;
-  s.bytes = (s.bytes + 255) & ~size_t{255};
+  s.virtual_idx = s.source_counts + align256(static_cast<size_t>(layout.world) * 8);
+  s.route_values = s.virtual_idx + align256(routes * 4);
+  s.bytes = s.route_values + align256(routes * 4);
+  return s;
+}
+
+EpSavedLayout ep_saved_layout(const DispatchLayout& layout) {
+  const size_t routes = static_cast<size_t>(layout.world) * layout.max_tokens * layout.top_k;
+  EpSavedLayout s;
+  s.virtual_idx = align256(static_cast<size_t>(layout.world) * 8);
+  s.weights = s.virtual_idx + align256(routes * 4);
+  s.bytes = s.weights + align256(routes * 4);
   return s;
 }
 
@@ -84,9 +111,10 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
 }
 
 Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                          const LayerBuffers& buffers) {
+                          const LayerBuffers& buffers, void* ep_saved) {
   MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
-  if (buffers.saved != nullptr) return unimplemented("EP layer: no backward yet, so nothing is saved");
+  if ((buffers.saved == nullptr) != (ep_saved == nullptr))
+    return invalid_argument("EP layer: a forward for a backward needs both the owner's saved buffer and ep_saved");
   const LayerDims& d = call.dims;  // V virtual tokens, L local experts
   const int64_t H = d.hidden, I = d.intermediate, L = d.num_experts;
   const EpScratch s = ep_scratch(ep);
@@ -98,25 +126,34 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   EpRoutingArgs r;
   r.buffer = ep.view.local, r.rank = ep.view.rank, r.own_topk_idx = in.topk_idx, r.own_tokens = tokens;
   r.experts_per_rank = static_cast<int>(L), r.epoch = ep.epoch, r.errors = call.errors;
-  r.source_counts = s.source_counts, r.virtual_idx = s.virtual_idx;
+  // Kept for the backward, or in scratch.
+  const EpSaved kept = ep_saved != nullptr ? ep_saved_view(ep, ep_saved) : EpSaved{s.source_counts, s.virtual_idx, nullptr};
+  r.source_counts = kept.source_counts, r.virtual_idx = kept.virtual_idx;
   MEGAMOE_RETURN_IF_ERROR(build_ep_virtual_routing(ep.layout, r, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(build_device_plan(s.virtual_idx, d.tokens, d.top_k, d.num_experts, c.pv.plan, call.stream));
+  // Route (v, j)'s weight sits at v * k + j of the weights the dispatch delivered
+  // (here once every source is in); the backward keeps its own copy.
+  const auto* weights =
+      reinterpret_cast<const float*>(static_cast<const char*>(ep.view.local) + ep.layout.weights_offset());
+  if (kept.weights != nullptr)
+    MEGAMOE_RETURN_IF_ERROR(cuda_status("EP layer: keeping the routing weights",
+                                        cudaMemcpyAsync(kept.weights, weights, d.tokens * d.top_k * sizeof(float),
+                                                        cudaMemcpyDeviceToDevice, call.stream)));
+  MEGAMOE_RETURN_IF_ERROR(build_device_plan(kept.virtual_idx, d.tokens, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = detail::device_plan(c.pv.plan, d);
   MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
                                          plan.pool_rows, C, c.xdy_pool, call.stream));
 
   GroupedGemmArgs g1 = detail::pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, L * 2 * I, H, I);
-  g1.out1 = c.a_pool;  // z is not kept: no backward yet
+  g1.out0 = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
+  g1.out1 = c.a_pool;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
-  // Route (v, j)'s weight sits at v * k + j of the weights the dispatch delivered.
   GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
-  g2.topk_weights =
-      reinterpret_cast<const float*>(static_cast<const char*>(ep.view.local) + ep.layout.weights_offset());
+  g2.topk_weights = weights;
   g2.out0 = c.slots;  // [k][V][H]: combine_push's outputs
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
 
   CombineArgs ca;
-  ca.outputs = c.slots, ca.virtual_idx = s.virtual_idx, ca.source_counts = s.source_counts;
+  ca.outputs = c.slots, ca.virtual_idx = kept.virtual_idx, ca.source_counts = kept.source_counts;
   ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
   return combine_push(ep.view, ep.layout, ca, call.stream);
 }
@@ -133,10 +170,160 @@ Status ep_forward_combine(const LayerCall& call, const EpGroup& ep, const LayerI
 }
 
 Status layer_forward_ep(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens, void* y,
-                        const LayerBuffers& buffers) {
+                        const LayerBuffers& buffers, void* ep_saved) {
   MEGAMOE_RETURN_IF_ERROR(ep_forward_send(call, ep, in, tokens));
-  MEGAMOE_RETURN_IF_ERROR(ep_forward_experts(call, ep, in, tokens, buffers));
+  MEGAMOE_RETURN_IF_ERROR(ep_forward_experts(call, ep, in, tokens, buffers, ep_saved));
   return ep_forward_combine(call, ep, in, tokens, y);
+}
+
+// ---- backward ------------------------------------------------------------------
+
+namespace {
+
+// The backward's second epoch (x for dW13, and the owners' "read it" flags).
+EpGroup second_epoch(const EpGroup& ep) {
+  EpGroup e = ep;
+  e.epoch = ep.epoch + 1;
+  return e;
+}
+
+// Rows of `rows` (dy or x, [tokens, H]) to the ranks that need them, and (again:
+// other layers' calls may have used the buffer since the forward) the routing.
+Status send_rows(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, const void* rows, int64_t tokens) {
+  const EpScratch s = ep_scratch(ep);
+  MEGAMOE_RETURN_IF_ERROR(check_routing(in.topk_idx, tokens, ep.layout.top_k, ep.num_experts, s.error_key, call.stream));
+  DispatchArgs a;
+  a.x = rows, a.topk_idx = in.topk_idx, a.tokens = tokens;
+  a.experts_per_rank = call.dims.num_experts, a.epoch = ep.epoch, a.blocks_done = s.dispatch_done;
+  return dispatch_push(ep.view, ep.layout, a, call.stream);
+}
+
+// A source whose token count now differs from the forward's (it was missing
+// then, or brings another batch) is treated as missing now: its rows gather
+// as NaN and it gets no return flag, so its own wait names this rank and
+// poisons its outputs, rather than rows landing where the saved plan no
+// longer says.
+__global__ void reconcile_counts_kernel(int64_t* now, const int64_t* forward, int world) {
+  const int s = threadIdx.x;
+  if (s < world && now[s] != forward[s]) now[s] = -1;
+}
+
+// Waits (bounded, naming a missing rank) until every source's rows of this
+// epoch are in, then fills the owner's pool with them along the saved plan.
+Status receive_rows(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, const void* own_rows,
+                    int64_t tokens, const detail::Carved& c, const int64_t* forward_counts) {
+  const EpScratch s = ep_scratch(ep);
+  EpRoutingArgs r;
+  r.buffer = ep.view.local, r.rank = ep.view.rank, r.own_topk_idx = in.topk_idx, r.own_tokens = tokens;
+  r.experts_per_rank = call.dims.num_experts, r.epoch = ep.epoch, r.errors = call.errors;
+  r.source_counts = s.source_counts, r.virtual_idx = s.virtual_idx;  // the wait; the saved routing is the forward's
+  MEGAMOE_RETURN_IF_ERROR(build_ep_virtual_routing(ep.layout, r, call.stream));
+  reconcile_counts_kernel<<<1, 32, 0, call.stream>>>(s.source_counts, forward_counts, ep.layout.world);
+  MEGAMOE_RETURN_IF_ERROR(cuda_status("EP layer: token counts against the forward's", cudaGetLastError()));
+  const DevicePlan plan = detail::device_plan(c.pv.plan, call.dims);
+  return gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, own_rows, c.pv.plan.row_src, plan.pool_rows,
+                        c.capacity, c.xdy_pool, call.stream, s.source_counts);
+}
+
+Status check_backward(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                      const LayerBuffers& buffers, const void* ep_saved) {
+  MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
+  if (buffers.saved == nullptr || ep_saved == nullptr)
+    return invalid_argument("EP layer: the backward needs the forward's saved buffer and ep_saved");
+  if (reinterpret_cast<uintptr_t>(ep_saved) % kBufferAlign != 0)
+    return invalid_argument("EP layer: ep_saved must be 256-byte aligned");
+  if (ep.epoch == ~uint32_t{0}) return invalid_argument("EP layer: the backward needs two epochs; ep.epoch is the last");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ep_backward_send_dy(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, const void* dy,
+                           int64_t tokens) {
+  MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
+  if (dy == nullptr) return invalid_argument("EP layer: dy is null");
+  return send_rows(call, ep, in, dy, tokens);
+}
+
+Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, const void* dy,
+                           int64_t tokens, const LayerGrads& grads, const LayerBuffers& buffers,
+                           const void* ep_saved) {
+  MEGAMOE_RETURN_IF_ERROR(check_backward(call, ep, in, tokens, buffers, ep_saved));
+  if (grads.dw2 == nullptr || dy == nullptr) return invalid_argument("EP layer: dw2 or dy is null");
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, L = d.num_experts;
+  const EpScratch s = ep_scratch(ep);
+  const EpSaved kept = ep_saved_view(ep, ep_saved);
+  detail::Carved c;
+  MEGAMOE_RETURN_IF_ERROR(detail::carve(call, buffers, &c));
+  const int64_t C = c.capacity;
+  const int sms = detail::sm_count(call.device);
+  const DevicePlan plan = detail::device_plan(c.pv.plan, d);
+  MEGAMOE_RETURN_IF_ERROR(receive_rows(call, ep, in, dy, tokens, c, kept.source_counts));
+
+  // As layer_backward, over the virtual tokens: ga = dy @ w2[e]; fused d topk_w
+  // partials, dz, topk_w * a; then dx slots = dz @ w13[e]; dW2 = dy^T (w a).
+  GroupedGemmArgs gd = detail::pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, in.w2, L * H, I, I);
+  gd.topk_weights = kept.weights;
+  gd.z_pool = c.pv.z_pool;
+  gd.out0 = c.dz_pool;
+  gd.out1 = c.a_pool;
+  gd.dw_partial = c.dw_partial;
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
+                                                d.tokens * d.top_k, c.pv.plan.error_key, s.route_values, call.stream));
+  GroupedGemmArgs gx = detail::pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, in.w13, L * 2 * I, H, H);
+  gx.out0 = c.slots;
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
+  // dx and d topk_w go back before dW2 runs: the sources' wait is not held up by it.
+  CombineArgs ca;
+  ca.outputs = c.slots, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;
+  ca.route_values = s.route_values, ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
+  MEGAMOE_RETURN_IF_ERROR(combine_push(ep.view, ep.layout, ca, call.stream));
+  return launch_grouped_gemm(detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms,
+                             call.stream);
+}
+
+Status ep_backward_combine(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                           const LayerGrads& grads) {
+  MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
+  if (grads.dx == nullptr || grads.d_topk_weights == nullptr)
+    return invalid_argument("EP layer: dx or d_topk_weights is null");
+  const EpScratch s = ep_scratch(ep);
+  MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
+  const void* slots = static_cast<const char*>(ep.view.local) + ep.layout.combine_slots_offset();
+  MEGAMOE_RETURN_IF_ERROR(combine_slots(slots, in.topk_idx, tokens, ep.layout.top_k, ep.num_experts, ep.layout.hidden,
+                                        s.error_key, call.errors, grads.dx, call.stream));
+  return combine_route_values(ep.layout, ep.view.local, in.topk_idx, tokens, ep.num_experts, s.error_key,
+                              grads.d_topk_weights, call.stream);
+}
+
+Status ep_backward_send_x(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens) {
+  MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
+  return send_rows(call, second_epoch(ep), in, in.x, tokens);
+}
+
+Status ep_backward_weight_grads(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                                const LayerGrads& grads, const LayerBuffers& buffers, const void* ep_saved) {
+  MEGAMOE_RETURN_IF_ERROR(check_backward(call, ep, in, tokens, buffers, ep_saved));
+  if (grads.dw13 == nullptr) return invalid_argument("EP layer: dw13 is null");
+  const EpGroup e2 = second_epoch(ep);
+  detail::Carved c;
+  MEGAMOE_RETURN_IF_ERROR(detail::carve(call, buffers, &c));
+  const DevicePlan plan = detail::device_plan(c.pv.plan, call.dims);
+  MEGAMOE_RETURN_IF_ERROR(receive_rows(call, e2, in, in.x, tokens, c, ep_saved_view(ep, ep_saved).source_counts));
+  // The receive area is read: its sources may reuse it.
+  MEGAMOE_RETURN_IF_ERROR(combine_signal(ep.view, ep.layout, ep_scratch(ep).source_counts, e2.epoch, call.stream));
+  const int64_t H = call.dims.hidden, I = call.dims.intermediate;
+  return launch_grouped_gemm(
+      detail::weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads),
+      detail::sm_count(call.device), call.stream);
+}
+
+Status ep_backward_finish(const LayerCall& call, const EpGroup& ep) {
+  (void)call.dims;
+  if (ep.epoch == 0 || ep.epoch == ~uint32_t{0}) return invalid_argument("EP layer: a bad epoch");
+  return combine_wait(ep.layout, ep.view.local, ep.epoch + 1, call.errors, call.stream);
 }
 
 }  // namespace megamoe::cuda

@@ -19,16 +19,37 @@
 // three phases in turn; one process driving several ranks on one GPU runs
 // each phase for every rank before the next (a phase waits for the others').
 //
+// Epochs: a forward takes one (ep.epoch), a backward two (ep.epoch and
+// ep.epoch + 1); every call on a symmetric buffer must start above the last
+// epoch any earlier call on it used (forward e, its backward e + 1 and e + 2,
+// the next call e + 3 or more). The waits pass on flag >= epoch, so an epoch
+// reused or taken out of order reads another call's data: the caller keeps one
+// counter per buffer, the same on every rank.
+//
 // Reuse of the symmetric buffer from call to call needs no extra handshake as
-// long as every rank runs send, experts, combine of a call in that order on
-// one stream: a rank's send of call N + 1 follows its combine of call N, which
-// has waited for every owner's return flag of call N, which each owner raises
-// after its GEMMs have read the last of call N's rows and weights; and an
-// owner can return call N + 1's outputs only after that source's send of call
-// N + 1, i.e. after the source has summed call N's. A rank that never comes is
-// named by the waiting ranks' errors (kBarrierPeer) within errors.timeout_ns,
-// and their y is NaN, never stale.
-// Not yet: the backward, and saving what it needs.
+// long as every rank runs a call's phases in order on one stream: a rank's
+// send of call N + 1 follows its last wait of call N (the forward's combine,
+// the backward's finish), which has seen every owner's flag of call N, raised
+// only after that owner's last read of the rank's data; and an owner can
+// return call N + 1's outputs only after that source's send of call N + 1,
+// i.e. after the source has summed call N's. A rank that never comes is named
+// by the waiting ranks' errors (kBarrierPeer) within errors.timeout_ns; y, dx
+// and d topk_w are then NaN, never stale, and so are the pool rows an owner
+// would have gathered from it.
+//
+// Scratch: a backward's six phases share the owner's scratch (dz lives from
+// its experts phase to its weight-gradient phase) and the EP scratch (the
+// routing check from send to combine); nothing else may use either in between
+// (a layer runs its phases back to back on its stream).
+//
+// The backward (its own six phases below) uses two epochs, ep.epoch for dy
+// and the returns, ep.epoch + 1 for x: dy goes out like x did, each owner
+// runs kDownGrad, the d topk_w reduction, kGateUpGrad and dW2 on its pool,
+// and returns dx rows and d topk_w values as the forward returned y; then x
+// goes out once more (nothing kept x's rows: the forward's receive area
+// belongs to the next call) for dW13, and each owner says when it has read
+// it. dx, d topk_w, dW13 and dW2 are each bitwise the one-GPU layer's: the
+// same rows meet the same weights in the same order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -58,25 +79,58 @@ struct EpGroup {
 //   error_key      u64   the check of this rank's routing (device_plan.h's encoding)
 //   source_counts  i64 [world]           each source's token count this call (-1: never came)
 //   virtual_idx    i32 [world * max_tokens, top_k]  local expert ids or -1 (cuda/comm/ep_routing.h)
+//   route_values   f32 [world * max_tokens, top_k]  the backward's d topk_w per virtual route
 struct EpScratchLayout {
-  size_t dispatch_done = 0, combine_done = 4, error_key = 8, source_counts = 256, virtual_idx = 0, bytes = 0;
+  size_t dispatch_done = 0, combine_done = 4, error_key = 8, source_counts = 256, virtual_idx = 0, route_values = 0,
+         bytes = 0;
 };
 EpScratchLayout ep_scratch_layout(const DispatchLayout& layout);
 
+// What this rank's forward keeps for its backward, beside the owner's saved
+// buffer (plan and z: core/layer_buffers.h's saved layout for ep_owner_dims):
+// per call, through the caller's allocator, 256-byte aligned.
+//   source_counts  i64 [world]
+//   virtual_idx    i32 [world * max_tokens, top_k]
+//   weights        f32 [world * max_tokens, top_k]  the routing weights of the routes it computed
+struct EpSavedLayout {
+  size_t source_counts = 0, virtual_idx = 0, weights = 0, bytes = 0;
+};
+EpSavedLayout ep_saved_layout(const DispatchLayout& layout);
+
 // The dims of this rank's expert work: V = world x max_tokens virtual tokens
 // over L local experts. prepare_layer_call with these sizes the call's
-// scratch (moe buffer layouts: core/layer_buffers.h; nothing is saved).
+// scratch and saved buffers (their layouts: core/layer_buffers.h).
 LayerDims ep_owner_dims(const EpGroup& ep, int64_t intermediate);
 
 // `in`: this rank's x [tokens, H], topk_idx [tokens, k] (global ids),
 // topk_weights [tokens, k], and its local w13 [L, 2I, H], w2 [L, H, I].
-// owner_call from prepare_layer_call(ep_owner_dims(...)); y [tokens, H].
+// owner_call from prepare_layer_call(ep_owner_dims(...)) with the buffers it
+// will get; y [tokens, H].
 Status ep_forward_send(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens);
+// With owner_buffers.saved (saved_layout(ep_owner_dims)) and ep_saved
+// (ep_saved_layout), what the backward needs is kept; without both, nothing
+// is (and owner_buffers.scratch must then hold the plan: scratch_layout(dims,
+// true)).
 Status ep_forward_experts(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                          const LayerBuffers& owner_buffers);
+                          const LayerBuffers& owner_buffers, void* ep_saved = nullptr);
 Status ep_forward_combine(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
                           void* y);
 Status layer_forward_ep(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                        void* y, const LayerBuffers& owner_buffers);
+                        void* y, const LayerBuffers& owner_buffers, void* ep_saved = nullptr);
+
+// The backward's phases, in this order on every rank (owner_buffers.saved and
+// ep_saved from this call's forward; grads: this rank's dx [tokens, H] and
+// d_topk_weights [tokens, k], its local dw13 [L, 2I, H] and dw2 [L, H, I]).
+Status ep_backward_send_dy(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, const void* dy,
+                           int64_t tokens);
+Status ep_backward_experts(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, const void* dy,
+                           int64_t tokens, const LayerGrads& grads, const LayerBuffers& owner_buffers,
+                           const void* ep_saved);
+Status ep_backward_combine(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                           const LayerGrads& grads);
+Status ep_backward_send_x(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens);
+Status ep_backward_weight_grads(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                                const LayerGrads& grads, const LayerBuffers& owner_buffers, const void* ep_saved);
+Status ep_backward_finish(const LayerCall& owner_call, const EpGroup& ep);
 
 }  // namespace megamoe::cuda

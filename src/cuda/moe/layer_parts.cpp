@@ -82,4 +82,21 @@ GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan
   return g;
 }
 
+// dW[e] = A_pool^T @ B_pool over each expert's rows.
+GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,
+                            int64_t m, const void* b, int64_t n, void* out, const LayerGrads& grads) {
+  GroupedGemmArgs g;
+  g.mode = GemmMode::kWeightGrad;
+  g.plan = plan;
+  g.m = m;
+  g.n = n;
+  g.a = a, g.a_rows = capacity, g.a_cols = m;
+  g.b = b, g.b_rows = capacity, g.b_cols = n;
+  g.out0 = out;
+  g.out_f32 = grads.wgrad_f32;
+  g.accumulate = grads.accumulate;
+  g.errors = call.errors;
+  return g;
+}
+
 }  // namespace megamoe::cuda::detail

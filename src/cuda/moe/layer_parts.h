@@ -36,4 +36,8 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n);
 
+// dW[e] = A_pool^T @ B_pool over each expert's rows (K-grouped).
+GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,
+                            int64_t m, const void* b, int64_t n, void* out, const LayerGrads& grads);
+
 }  // namespace megamoe::cuda::detail
