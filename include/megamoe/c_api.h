@@ -68,6 +68,39 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
                      const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
                      const megamoe_buffer* scratch, void* stream);
 
+/* Expert parallelism (src/cuda/moe/ep_layer.h), CUDA only, config.ep_size
+ * ranks of config.ep_rank: each rank calls with its own tokens and its E/P
+ * experts' w13 [E/P,2I,H], w2 [E/P,H,I]; the calls of all ranks meet through
+ * the group's symmetric buffer. The call waits for the other ranks on the
+ * device (bounded by device_timeout_ms; a rank that never comes is named in
+ * the error and the outputs are NaN), never on the host. */
+typedef struct megamoe_ep_group {
+  void* local;               /* this rank's symmetric buffer */
+  void* const* peers;        /* device array [ep_size]: every rank's buffer as this device sees it */
+  uint64_t bytes;            /* its size, the same on every rank (>= symmetric_bytes of megamoe_ep_sizes) */
+  int64_t max_tokens;        /* the most tokens any rank brings to one call; the same on every rank */
+  megamoe_buffer ep_scratch; /* this rank's own: zeroed once, then kept for the symmetric buffer's life */
+  uint32_t epoch;            /* above every epoch used on the buffer before, the same on every rank:
+                                a forward takes epoch, a backward epoch and epoch + 1 */
+} megamoe_ep_group;
+
+/* Sizes: the symmetric buffer and the EP scratch (per group and device), and
+ * a call's scratch and saved buffers (will_backward = 0: saved 0). */
+int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t will_backward,
+                     uint64_t* symmetric_bytes, uint64_t* ep_scratch_bytes, uint64_t* scratch_bytes,
+                     uint64_t* saved_bytes);
+/* As megamoe_forward / megamoe_backward, over the group (save policy keep). */
+int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
+                       const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights, const megamoe_tensor* w13,
+                       const megamoe_tensor* w2, const megamoe_tensor* y, const megamoe_buffer* saved,
+                       const megamoe_buffer* scratch, void* stream);
+int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
+                        const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights,
+                        const megamoe_tensor* w13, const megamoe_tensor* w2, const megamoe_tensor* dy,
+                        const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights, const megamoe_tensor* dw13,
+                        const megamoe_tensor* dw2, const megamoe_buffer* saved, const megamoe_buffer* scratch,
+                        void* stream);
+
 /* Model preset `index` (include/megamoe/presets.h): 0 and *out filled for
    index in [0, count), else an error; *count (when not null) gets the count. */
 typedef struct megamoe_preset_info {

@@ -271,7 +271,8 @@ def _check_dtypes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-        *, precision: str = "bf16", save: str = "keep", group=None, validate: bool = False) -> torch.Tensor:
+        *, precision: str = "bf16", save: str = "keep", group=None, max_tokens: int | None = None,
+        validate: bool = False) -> torch.Tensor:
     """Mixture-of-experts layer: y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t].
 
     Dtypes: x bfloat16 (CUDA; CPU too, emulating the GPU's rounding) or float32 / float64 (CPU: exact fp64
@@ -280,15 +281,21 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     save: "keep" (the backward reuses the forward's routing plan and z, held in a
     tensor autograd saves) or "recompute" (nothing beyond the inputs is saved).
     validate (or env MEGAMOE_CHECK=1): synchronise and raise device-found errors
-    in this call. `group`: expert-parallel process group; one rank so far.
+    in this call. `group`: expert-parallel process group; with several ranks, w13
+    and w2 are this rank's E / P experts and the call is megamoe.ep's (CUDA, bf16,
+    save="keep"; max_tokens: the most tokens any rank brings, agreed at the
+    first call by default).
     """
-    if group is not None and getattr(group, "size", lambda: 1)() != 1:
-        raise NotImplementedError("megamoe: expert parallelism over several ranks (group size > 1) is not built yet")
     for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
         if value not in table:
             raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
     _check_shapes(x, topk_idx, topk_weights, w13, w2)
     _check_dtypes(x, topk_idx, topk_weights, w13, w2)
+    if group is not None and getattr(group, "size", lambda: 1)() != 1:
+        if precision != "bf16" or save != "keep":
+            raise NotImplementedError("megamoe: expert parallelism runs precision='bf16', save='keep' so far")
+        from .ep import moe_ep
+        return moe_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens=max_tokens, validate=validate)
     orig = x.dtype
     # CPU float32 runs the reference's exact fp64 math; bf16 keeps the GPU's rounding.
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16

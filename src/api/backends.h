@@ -33,4 +33,23 @@ struct PeerViewArgs {
 };
 Status cuda_peer_check(int phase, const PeerViewArgs& view, void* stream, int64_t* wrong);
 
+// Expert parallelism (c_api.h's megamoe_ep_*): the group's memory and this call's epoch.
+struct EpArgs {
+  void* local;
+  void* const* peers;  // device array [ep_size]
+  uint64_t bytes;
+  int64_t max_tokens;
+  void* ep_scratch;
+  uint64_t ep_scratch_bytes;
+  uint32_t epoch;
+};
+struct EpSizes {
+  uint64_t symmetric_bytes, ep_scratch_bytes, scratch_bytes, saved_bytes;
+};
+Status cuda_ep_sizes(const MoeProblem& problem, int64_t max_tokens, bool will_backward, EpSizes* out);
+Status cuda_ep_forward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
+                       const TensorView& y, const EpArgs& ep, const MoeBuffers& buffers);
+Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
+                        const TensorView& dy, const MoeGrads& grads, const EpArgs& ep, const MoeBuffers& buffers);
+
 }  // namespace megamoe::detail

@@ -90,6 +90,12 @@ Status prepare_call(const megamoe_config* config, const TensorView& x, void* str
   return Status::Ok();
 }
 
+Status ep_args_of(const megamoe_ep_group* g, megamoe::detail::EpArgs* a) {
+  if (g == nullptr) return megamoe::invalid_argument("EP group: null");
+  *a = {g->local, g->peers, g->bytes, g->max_tokens, g->ep_scratch.data, g->ep_scratch.bytes, g->epoch};
+  return Status::Ok();
+}
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +156,64 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
 
 int megamoe_check(int32_t device, void* stream) {
   return guarded([&] { return fail(megamoe::check_device_errors(device, stream)); });
+}
+
+int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t will_backward,
+                     uint64_t* symmetric_bytes, uint64_t* ep_scratch_bytes, uint64_t* scratch_bytes,
+                     uint64_t* saved_bytes) {
+  return guarded([&] {
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    if (max_tokens < 0) return fail(megamoe::invalid_argument("max_tokens: must be >= 0"));
+    Status st = to_problem(config, max_tokens, &p, &o);
+    megamoe::detail::EpSizes sizes{};
+    if (st.ok()) st = megamoe::detail::cuda_ep_sizes(p, max_tokens, will_backward != 0, &sizes);
+    if (!st.ok()) return fail(st);
+    if (symmetric_bytes != nullptr) *symmetric_bytes = sizes.symmetric_bytes;
+    if (ep_scratch_bytes != nullptr) *ep_scratch_bytes = sizes.ep_scratch_bytes;
+    if (scratch_bytes != nullptr) *scratch_bytes = sizes.scratch_bytes;
+    if (saved_bytes != nullptr) *saved_bytes = sizes.saved_bytes;
+    return 0;
+  });
+}
+
+int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
+                       const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights, const megamoe_tensor* w13,
+                       const megamoe_tensor* w2, const megamoe_tensor* y, const megamoe_buffer* saved,
+                       const megamoe_buffer* scratch, void* stream) {
+  return guarded([&] {
+    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    megamoe::detail::EpArgs a;
+    Status st = prepare_call(config, in.x, stream, &p, &o);
+    if (st.ok()) st = ep_args_of(group, &a);
+    if (st.ok() && in.x.device != megamoe::DeviceType::kCUDA)
+      st = megamoe::unimplemented("EP: expert parallelism runs CUDA tensors only");
+    if (!st.ok()) return fail(st);
+    return fail(megamoe::detail::cuda_ep_forward(p, o, in, view_of(y), a, buffers_of(saved, scratch)));
+  });
+}
+
+int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
+                        const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights,
+                        const megamoe_tensor* w13, const megamoe_tensor* w2, const megamoe_tensor* dy,
+                        const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights, const megamoe_tensor* dw13,
+                        const megamoe_tensor* dw2, const megamoe_buffer* saved, const megamoe_buffer* scratch,
+                        void* stream) {
+  return guarded([&] {
+    const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
+    const megamoe::MoeGrads g{view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)};
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    megamoe::detail::EpArgs a;
+    Status st = prepare_call(config, in.x, stream, &p, &o);
+    if (st.ok()) st = ep_args_of(group, &a);
+    if (st.ok() && in.x.device != megamoe::DeviceType::kCUDA)
+      st = megamoe::unimplemented("EP: expert parallelism runs CUDA tensors only");
+    if (!st.ok()) return fail(st);
+    return fail(megamoe::detail::cuda_ep_backward(p, o, in, view_of(dy), g, a, buffers_of(saved, scratch)));
+  });
 }
 
 int megamoe_peer_check(int32_t phase, int32_t rank, int32_t world, void* local, void* const* peers, uint64_t bytes,

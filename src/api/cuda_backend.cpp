@@ -5,19 +5,26 @@
 
 #include "api/backends.h"
 #include "core/tensor_check.h"
+#include "cuda/comm/dispatch.h"
 #include "cuda/comm/peer_check.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/device_query.h"
 #include "cuda/moe/cuda_layer.h"
+#include "cuda/moe/ep_layer.h"
 
 namespace megamoe::detail {
 namespace {
 
-Status check_cuda_problem(const MoeProblem& p, const MoeOptions& o) {
+// expert_parallel: the megamoe_ep_* entries (ep_size from 1 to 8); the others run ep_size 1.
+Status check_cuda_problem(const MoeProblem& p, const MoeOptions& o, bool expert_parallel = false) {
   MEGAMOE_RETURN_IF_ERROR(validate_problem(p));
-  if (p.ep_size != 1)
+  if (!expert_parallel && p.ep_size != 1)
     return unimplemented("ep_size = " + std::to_string(p.ep_size) +
-                         ": backend cuda runs one GPU (EP size 1) so far; multi-GPU expert parallelism is not built");
+                         ": the one-GPU entries run EP size 1; expert parallelism goes through megamoe_ep_forward");
+  if (expert_parallel && p.ep_size > 8)
+    return invalid_argument("ep_size = " + std::to_string(p.ep_size) + ": expert parallelism runs 1 to 8 ranks");
+  if (expert_parallel && o.save_policy != SavePolicy::kKeep)
+    return unimplemented("save policy recompute with expert parallelism: the backward needs the forward's plan");
   if (o.precision != Precision::kBF16)
     return unimplemented(std::string("precision ") + to_string(o.precision) +
                          " on backend cuda: only bf16 kernels exist so far (the CPU reference emulates the others)");
@@ -71,23 +78,41 @@ cuda::LayerInputs layer_inputs(const MoeInputs& in) {
 }
 
 // Common start of a call: a GPU, the problem, an earlier call's device error
-// (reported here, no sync), the buffers.
+// (reported here, no sync), the buffers. EP calls pass their owner dims.
 Status begin_call(const MoeProblem& p, const MoeOptions& o, const MoeInputs& in, const MoeBuffers& b,
-                  cuda::LayerCall* call) {
+                  cuda::LayerCall* call, const LayerDims* ep_owner = nullptr) {
   std::string why;
   if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
-  MEGAMOE_RETURN_IF_ERROR(check_cuda_problem(p, o));
+  MEGAMOE_RETURN_IF_ERROR(check_cuda_problem(p, o, ep_owner != nullptr));
   MEGAMOE_RETURN_IF_ERROR(check_device_inputs(p, in));
   const int device = in.x.device_index;
   const auto stream = static_cast<cudaStream_t>(o.cuda_stream);
   MEGAMOE_RETURN_IF_ERROR(cuda::take_device_error(device, stream));
   call->errors.timeout_ns = static_cast<uint64_t>(o.device_timeout_ms) * 1000000u;
-  return cuda::prepare_layer_call(dims_of(p), device, stream, b, call);
+  return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p), device, stream, b, call);
 }
 
 Status end_call(const MoeOptions& o, const cuda::LayerCall& call, Status launched) {
   if (!launched.ok() || !o.validate) return launched;
   return cuda::sync_and_take_device_error(call.device, call.stream);
+}
+
+// dy and the gradients of a backward: shapes, dtypes, alignment, device.
+Status check_backward_outputs(const MoeProblem& problem, const MoeOptions& options, const TensorView& dy,
+                              const MoeGrads& grads, int device, cuda::LayerGrads* out) {
+  const int64_t T = problem.num_tokens;
+  MEGAMOE_RETURN_IF_ERROR(check_output("dy", dy, T, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
+  MEGAMOE_RETURN_IF_ERROR(check_grads(problem, options, grads, T, FloatMode::kBF16, DeviceType::kCUDA));
+  for (const auto& [name, v] : {std::pair<const char*, const TensorView*>{"dy", &dy}, {"dx", &grads.dx},
+                                {"dw13", &grads.dw13}, {"dw2", &grads.dw2}})
+    MEGAMOE_RETURN_IF_ERROR(check_aligned(name, *v));
+  if (grads.dw13.dtype != grads.dw2.dtype) return invalid_argument("dw13, dw2: must have the same dtype");
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"dy", &dy}, {"dx", &grads.dx}, {"d_topk_weights", &grads.d_topk_weights},
+                                             {"dw13", &grads.dw13}, {"dw2", &grads.dw2}},
+                                            device));
+  *out = cuda::LayerGrads{grads.dx.data, static_cast<float*>(grads.d_topk_weights.data), grads.dw13.data,
+                          grads.dw2.data, grads.dw13.dtype == DType::kF32, options.accumulate_weight_grads};
+  return Status::Ok();
 }
 
 }  // namespace
@@ -109,20 +134,126 @@ Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const
                      const TensorView& dy, const MoeGrads& grads, const MoeBuffers& buffers) {
   cuda::LayerCall call;
   MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, buffers, &call));
-  const int64_t T = problem.num_tokens;
-  MEGAMOE_RETURN_IF_ERROR(check_output("dy", dy, T, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
-  MEGAMOE_RETURN_IF_ERROR(check_grads(problem, options, grads, T, FloatMode::kBF16, DeviceType::kCUDA));
-  for (const auto& [name, v] : {std::pair<const char*, const TensorView*>{"dy", &dy}, {"dx", &grads.dx},
-                                {"dw13", &grads.dw13}, {"dw2", &grads.dw2}})
-    MEGAMOE_RETURN_IF_ERROR(check_aligned(name, *v));
-  if (grads.dw13.dtype != grads.dw2.dtype) return invalid_argument("dw13, dw2: must have the same dtype");
-  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"dy", &dy}, {"dx", &grads.dx}, {"d_topk_weights", &grads.d_topk_weights},
-                                             {"dw13", &grads.dw13}, {"dw2", &grads.dw2}},
-                                            call.device));
-  const cuda::LayerGrads g{grads.dx.data, static_cast<float*>(grads.d_topk_weights.data), grads.dw13.data,
-                           grads.dw2.data, grads.dw13.dtype == DType::kF32, options.accumulate_weight_grads};
+  cuda::LayerGrads g;
+  MEGAMOE_RETURN_IF_ERROR(check_backward_outputs(problem, options, dy, grads, call.device, &g));
   return end_call(options, call,
                   cuda::layer_backward(call, layer_inputs(inputs), dy.data, g, buffers));
+}
+
+// ---- expert parallelism ----------------------------------------------------------
+
+namespace {
+
+size_t align_buffer(size_t n) { return (n + kBufferAlign - 1) / kBufferAlign * kBufferAlign; }
+
+cuda::DispatchLayout ep_layout(const MoeProblem& p, int64_t max_tokens) {
+  cuda::DispatchLayout l;
+  l.world = p.ep_size, l.max_tokens = max_tokens, l.hidden = p.hidden, l.top_k = p.top_k;
+  return l;
+}
+
+LayerDims ep_owner(const MoeProblem& p, int64_t max_tokens) {
+  cuda::EpGroup g;
+  g.layout = ep_layout(p, max_tokens), g.num_experts = p.num_experts;
+  return cuda::ep_owner_dims(g, p.intermediate);
+}
+
+// The group of one call; the saved buffer split into the owner's part (plan,
+// z: saved_layout) and ep_saved (ep_saved_layout), each 256-byte aligned.
+Status ep_call_parts(const MoeProblem& p, const EpArgs& a, const MoeBuffers& b, cuda::EpGroup* g,
+                     MoeBuffers* owner_buffers, void** ep_saved) {
+  if (a.max_tokens < p.num_tokens)
+    return capacity_error("EP: " + std::to_string(p.num_tokens) + " tokens on rank " + std::to_string(p.ep_rank) +
+                          ", but the group's buffers hold max_tokens = " + std::to_string(a.max_tokens));
+  EpSizes need;
+  MEGAMOE_RETURN_IF_ERROR(cuda_ep_sizes(p, a.max_tokens, b.saved != nullptr, &need));
+  if (a.local == nullptr || a.peers == nullptr || a.bytes < need.symmetric_bytes)
+    return invalid_argument("EP: the symmetric buffer is missing or smaller (" + std::to_string(a.bytes) +
+                            " bytes) than the group needs (" + std::to_string(need.symmetric_bytes) + ")");
+  if (a.ep_scratch == nullptr || a.ep_scratch_bytes < need.ep_scratch_bytes)
+    return invalid_argument("EP: ep_scratch is missing or smaller than " + std::to_string(need.ep_scratch_bytes) +
+                            " bytes");
+  if (a.epoch == 0) return invalid_argument("EP: epoch 0 is the flags' initial value; start at 1");
+  g->view.rank = p.ep_rank, g->view.world = p.ep_size, g->view.local = a.local, g->view.bytes = a.bytes;
+  g->view.peers = const_cast<void**>(a.peers);
+  g->layout = ep_layout(p, a.max_tokens);
+  g->num_experts = p.num_experts, g->epoch = a.epoch, g->scratch = a.ep_scratch;
+  *owner_buffers = b;
+  *ep_saved = nullptr;
+  if (b.saved != nullptr) {
+    if (b.saved_bytes != need.saved_bytes)
+      return invalid_argument("saved: " + std::to_string(b.saved_bytes) + " bytes given, an EP call saves exactly " +
+                              std::to_string(need.saved_bytes) + " (megamoe_ep_sizes)");
+    SavedLayout s;
+    MEGAMOE_RETURN_IF_ERROR(saved_layout(ep_owner(p, a.max_tokens), &s));
+    owner_buffers->saved_bytes = s.bytes;
+    *ep_saved = static_cast<char*>(b.saved) + align_buffer(s.bytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status cuda_ep_sizes(const MoeProblem& p, int64_t max_tokens, bool will_backward, EpSizes* out) {
+  MEGAMOE_RETURN_IF_ERROR(validate_problem(p));
+  if (max_tokens < 0) return invalid_argument("EP: max_tokens must be >= 0");
+  const cuda::DispatchLayout l = ep_layout(p, max_tokens);
+  const LayerDims owner = ep_owner(p, max_tokens);
+  ScratchLayout sl;
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(owner, !will_backward, &sl));
+  out->symmetric_bytes = l.bytes();
+  out->ep_scratch_bytes = cuda::ep_scratch_layout(l).bytes;
+  out->scratch_bytes = sl.bytes;
+  out->saved_bytes = 0;
+  if (will_backward) {
+    SavedLayout s;
+    MEGAMOE_RETURN_IF_ERROR(saved_layout(owner, &s));
+    out->saved_bytes = align_buffer(s.bytes) + cuda::ep_saved_layout(l).bytes;
+  }
+  return Status::Ok();
+}
+
+Status cuda_ep_forward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
+                       const TensorView& y, const EpArgs& ep, const MoeBuffers& buffers) {
+  cuda::EpGroup g;
+  MoeBuffers owner_buffers;
+  void* ep_saved = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
+  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, ep, buffers, &g, &owner_buffers, &ep_saved));
+  const LayerDims owner = ep_owner(problem, ep.max_tokens);
+  cuda::LayerCall call;
+  MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, owner_buffers, &call, &owner));
+  MEGAMOE_RETURN_IF_ERROR(check_output("y", y, problem.num_tokens, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
+  MEGAMOE_RETURN_IF_ERROR(check_aligned("y", y));
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"y", &y}}, call.device));
+  return end_call(options, call,
+                  cuda::layer_forward_ep(call, g, layer_inputs(inputs), problem.num_tokens, y.data, owner_buffers,
+                                         ep_saved));
+}
+
+Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
+                        const TensorView& dy, const MoeGrads& grads, const EpArgs& ep, const MoeBuffers& buffers) {
+  cuda::EpGroup g;
+  MoeBuffers owner_buffers;
+  void* ep_saved = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
+  if (buffers.saved == nullptr) return invalid_argument("EP backward: needs the saved buffer its forward wrote");
+  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, ep, buffers, &g, &owner_buffers, &ep_saved));
+  if (ep.epoch == ~uint32_t{0}) return invalid_argument("EP backward: needs epochs epoch and epoch + 1");
+  const LayerDims owner = ep_owner(problem, ep.max_tokens);
+  cuda::LayerCall call;
+  MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, owner_buffers, &call, &owner));
+  cuda::LayerGrads lg;
+  MEGAMOE_RETURN_IF_ERROR(check_backward_outputs(problem, options, dy, grads, call.device, &lg));
+  const cuda::LayerInputs in = layer_inputs(inputs);
+  const int64_t T = problem.num_tokens;
+  Status st = cuda::ep_backward_send_dy(call, g, in, dy.data, T);
+  if (st.ok()) st = cuda::ep_backward_experts(call, g, in, dy.data, T, lg, owner_buffers, ep_saved);
+  if (st.ok()) st = cuda::ep_backward_combine(call, g, in, T, lg);
+  if (st.ok()) st = cuda::ep_backward_send_x(call, g, in, T);
+  if (st.ok()) st = cuda::ep_backward_weight_grads(call, g, in, T, lg, owner_buffers, ep_saved);
+  if (st.ok()) st = cuda::ep_backward_finish(call, g);
+  return end_call(options, call, st);
 }
 
 Status cuda_check_device_errors(int device, void* stream) {

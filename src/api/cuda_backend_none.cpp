@@ -19,5 +19,14 @@ Status cuda_backward(const MoeProblem&, const MoeOptions&, const MoeInputs&, con
 }
 Status cuda_check_device_errors(int, void*) { return no_cuda(); }
 Status cuda_peer_check(int, const PeerViewArgs&, void*, int64_t*) { return no_cuda(); }
+Status cuda_ep_sizes(const MoeProblem&, int64_t, bool, EpSizes*) { return no_cuda(); }
+Status cuda_ep_forward(const MoeProblem&, const MoeOptions&, const MoeInputs&, const TensorView&, const EpArgs&,
+                       const MoeBuffers&) {
+  return no_cuda();
+}
+Status cuda_ep_backward(const MoeProblem&, const MoeOptions&, const MoeInputs&, const TensorView&, const MoeGrads&,
+                        const EpArgs&, const MoeBuffers&) {
+  return no_cuda();
+}
 
 }  // namespace megamoe::detail

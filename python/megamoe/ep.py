@@ -1,0 +1,180 @@
+"""Expert parallelism from PyTorch: `megamoe.moe(..., group=pg)` with pg of 2 to 8 ranks.
+
+Each rank passes its own tokens and its E / P experts' weights (w13 [E/P, 2I, H],
+w2 [E/P, H, I]); rank r holds experts [r E/P, (r + 1) E/P) and topk_idx holds
+global expert ids. The ranks meet on the device, through one symmetric buffer
+per (group, device, H, k, max_tokens) (megamoe.peer), never on the host: the
+kernels wait for each other, bounded by the device timeout, and a rank that
+never comes is named in the error raised at the next megamoe call or check.
+
+What every rank must do alike: call the same layers in the same order (each
+forward takes one epoch of its buffer, each backward two; activation
+checkpointing re-runs forwards on every rank alike), and agree on max_tokens,
+the most tokens any rank brings to one call. By default it is agreed once, at
+the first call on a buffer, as the largest token count of that call over the
+group (one all_reduce, a host sync then and only then); pass max_tokens to
+fix it instead. A call with more tokens is an error naming the limit.
+
+The forward keeps what the backward needs in a tensor autograd saves (the
+owner's routing plan, z, and its routes' weights); y, dx, d topk_w, dW13 and
+dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h).
+CUDA, bf16, save="keep" only.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _lib, peer
+
+
+class EpGroupStruct(ctypes.Structure):  # megamoe_ep_group
+    _fields_ = [
+        ("local", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("bytes", ctypes.c_uint64),
+        ("max_tokens", ctypes.c_int64), ("ep_scratch", _lib.Buffer), ("epoch", ctypes.c_uint32),
+    ]
+
+
+@dataclass
+class _Shared:
+    """One symmetric buffer and what goes with it on this rank."""
+    buffer: peer.SymmetricBuffer
+    ep_scratch: torch.Tensor
+    max_tokens: int
+    epoch: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, n: int) -> int:
+        """The first of n fresh epochs."""
+        with self.lock:
+            first = self.epoch + 1
+            self.epoch += n
+            return first
+
+    def struct(self, epoch: int) -> EpGroupStruct:
+        b = self.buffer
+        return EpGroupStruct(b.tensor.data_ptr(), b.peers_device_ptr, b.nbytes, self.max_tokens,
+                             _lib.Buffer(self.ep_scratch.data_ptr(), self.ep_scratch.numel()), epoch)
+
+
+_SHARED: dict[tuple, _Shared] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool) -> _lib.Config:
+    return _lib.Config(H, I, E, k, rank, world, _lib.PRECISIONS["bf16"], _lib.SAVE_POLICIES["keep"],
+                       1 if validate else 0, 0, 0)
+
+
+def sizes(H: int, I: int, E: int, k: int, world: int, max_tokens: int, will_backward: bool = True) -> dict:
+    """Bytes of the symmetric buffer and EP scratch (per group and device) and of one call's scratch and saved."""
+    out = [ctypes.c_uint64() for _ in range(4)]
+    cfg = _config(H, I, E, k, 0, world, False)
+    _lib.check(_lib.lib().megamoe_ep_sizes(ctypes.byref(cfg), max_tokens, 1 if will_backward else 0,
+                                           *[ctypes.byref(o) for o in out]))
+    return dict(zip(("symmetric", "ep_scratch", "scratch", "saved"), (o.value for o in out)))
+
+
+def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int, max_tokens) -> _Shared:
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    key = (id(group), device.index, H, k, max_tokens)
+    with _SHARED_LOCK:
+        s = _SHARED.get(key)
+    if s is not None:
+        return s
+    if max_tokens is None:  # agreed once per buffer: the largest token count of this first call
+        t = torch.tensor([T], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        agreed = int(t.item())
+    else:
+        agreed = int(max_tokens)
+    need = sizes(H, I, E, k, world, agreed)
+    buf = peer.symmetric_buffer(need["symmetric"], group)  # collective
+    buf.tensor.zero_()
+    scratch = torch.zeros(need["ep_scratch"], dtype=torch.uint8, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    dist.barrier(group)  # every rank's flags are zero before any rank's first call writes them
+    s = _Shared(buf, scratch, agreed)
+    with _SHARED_LOCK:
+        _SHARED[key] = s
+    return s
+
+
+def _desc(t: torch.Tensor) -> _lib.Tensor:
+    from .ops import _desc as desc
+    return desc(t)
+
+
+def _run(fn, *args) -> None:
+    _lib.check(fn(*args))
+
+
+class _EpMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate):
+        from .ops import _scratch, _validate_flag
+        import torch.distributed as dist
+
+        x, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_weights, w13, w2))
+        topk_idx = topk_idx.contiguous().clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32)
+        T, H = x.shape
+        L, two_i, _ = w13.shape
+        I, k = two_i // 2, topk_idx.shape[1]
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        E = L * world
+        shared = _shared(group, x.device, H, I, E, k, T, max_tokens)
+        if T > shared.max_tokens:
+            raise _lib.MegaMoEError(f"CapacityError: {T} tokens on rank {rank}, but this group's buffer holds "
+                                    f"max_tokens = {shared.max_tokens} (pass max_tokens= to megamoe.moe)")
+        keep = ctx.needs_input_grad[0] or any(ctx.needs_input_grad[2:5])
+        need = sizes(H, I, E, k, world, shared.max_tokens, keep)
+        y = torch.empty_like(x)
+        saved = torch.empty(need["saved"], dtype=torch.uint8, device=x.device)
+        cfg = _config(H, I, E, k, rank, world, _validate_flag(validate))
+        with torch.cuda.device(x.device):
+            scratch = _scratch(x.device, need["scratch"])
+            grp = shared.struct(shared.take(1))
+            args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
+            _run(_lib.lib().megamoe_ep_forward, ctypes.byref(cfg), ctypes.byref(grp),
+                 *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())
+                                                                if saved.numel() else _lib.Buffer(None, 0)),
+                 ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
+                 torch.cuda.current_stream(x.device).cuda_stream)
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, saved)
+        ctx.shared, ctx.cfg, ctx.need = shared, cfg, need
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .ops import _scratch
+
+        x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
+        if saved.numel() == 0:
+            raise RuntimeError("megamoe: this forward kept nothing for a backward")
+        dy = dy.contiguous()
+        dx, dtw = torch.empty_like(x), torch.empty_like(topk_weights)
+        dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the one-GPU op writes them
+        with torch.cuda.device(x.device):
+            scratch = _scratch(x.device, ctx.need["scratch"])
+            grp = ctx.shared.struct(ctx.shared.take(2))
+            args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
+            _run(_lib.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
+                 *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())),
+                 ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
+                 torch.cuda.current_stream(x.device).cuda_stream)
+        return dx, None, dtw, dw13, dw2, None, None, None
+
+
+def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, validate: bool = False) -> torch.Tensor:
+    """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...)."""
+    if not x.is_cuda:
+        raise ValueError("megamoe: expert parallelism (group of several ranks) runs CUDA tensors only")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"megamoe: expert parallelism needs bfloat16 x, got {x.dtype}")
+    return _EpMoE.apply(x, topk_idx, topk_weights.to(torch.float32), w13.to(torch.bfloat16),
+                        w2.to(torch.bfloat16), group, max_tokens, validate)

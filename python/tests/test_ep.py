@@ -1,0 +1,100 @@
+"""Expert parallelism from PyTorch (megamoe.moe(..., group=pg), megamoe.ep).
+
+Two processes, one GPU each, on the 2-GPU machine (scripts/device-test's
+pytest-cuda step): each rank its half of a batch and half of the experts; y
+and every gradient must be bitwise those of one GPU running the whole batch
+with all experts. Elsewhere that test skips and says why; the argument checks
+run everywhere.
+"""
+import pytest
+import torch
+
+import megamoe
+
+
+class _FakeGroup:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+def _inputs(T, H, I, E, k, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(T, H, generator=g) * 2 - 1).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g).to(torch.float32)
+    w13 = ((torch.rand(E, 2 * I, H, generator=g) * 2 - 1) / H ** 0.5).to(torch.bfloat16)
+    w2 = ((torch.rand(E, H, I, generator=g) * 2 - 1) / I ** 0.5).to(torch.bfloat16)
+    dy = (torch.rand(T, H, generator=g) * 2 - 1).to(torch.bfloat16)
+    return [t.to(device) for t in (x, idx, w, w13, w2, dy)]
+
+
+def _two_ranks(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    try:
+        T, H, I, E, k = 2 * 300, 256, 256, 8, 2
+        half, L = T // 2, E // 2
+        for call in range(2):  # two calls: the buffer's epochs move on
+            x, idx, w, w13, w2, dy = _inputs(T, H, I, E, k, f"cuda:{rank}", seed=7 + call)
+            # One GPU, the whole batch, all experts.
+            leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+            y1 = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+            y1.backward(dy)
+            # This rank: its tokens, its experts.
+            s = slice(rank * half, (rank + 1) * half)
+            e = slice(rank * L, (rank + 1) * L)
+            mine = [x[s].clone().requires_grad_(), w[s].clone().requires_grad_(), w13[e].clone().requires_grad_(),
+                    w2[e].clone().requires_grad_()]
+            y2 = megamoe.moe(mine[0], idx[s], mine[1], mine[2], mine[3], group=dist.group.WORLD)
+            y2.backward(dy[s])
+            megamoe.check()
+            pairs = {"y": (y2, y1[s]), "dx": (mine[0].grad, leaves[0].grad[s]),
+                     "d_topk_weights": (mine[1].grad, leaves[1].grad[s]), "dw13": (mine[2].grad, leaves[2].grad[e]),
+                     "dw2": (mine[3].grad, leaves[3].grad[e])}
+            for name, (got, want) in pairs.items():
+                assert torch.equal(got, want), f"rank {rank}, call {call}: {name} differs from one GPU's"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the 2-GPU machine runs it)")
+def test_cuda_ep2_is_bitwise_one_gpu_forward_and_backward(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+
+
+def test_ep_refuses_cpu_tensors_and_other_modes():
+    x, idx, w, w13, w2, _ = _inputs(16, 128, 128, 4, 2, "cpu", seed=1)
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        megamoe.moe(x, idx, w, w13[:2], w2[:2], group=_FakeGroup(2))
+    with pytest.raises(NotImplementedError, match="precision='bf16', save='keep'"):
+        megamoe.moe(x, idx, w, w13[:2], w2[:2], group=_FakeGroup(2), save="recompute")
+    # A group of one rank is the one-GPU layer.
+    y = megamoe.moe(x, idx, w, w13, w2, group=_FakeGroup(1))
+    assert torch.equal(y, megamoe.moe(x, idx, w, w13, w2))
+
+
+def test_ep_sizes_follow_the_layouts():
+    from megamoe import ep
+    try:
+        a = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024)
+    except megamoe.MegaMoEError as e:  # a build without CUDA says so
+        if "built without CUDA" in str(e):
+            pytest.skip(str(e))
+        raise
+    b = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=2048)
+    alone = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, will_backward=False)
+    assert alone["saved"] == 0 and a["saved"] > 0
+    for key in ("symmetric", "ep_scratch", "scratch", "saved"):
+        assert b[key] > a[key] > 0 or key == "saved" and b[key] > a[key], (key, a, b)
+        assert a[key] % 256 == 0, (key, a[key])
+    # The receive area alone: every other rank's max_tokens rows of H bf16.
+    assert a["symmetric"] > 2 * 1024 * 2048 * 2
+    with pytest.raises(megamoe.MegaMoEError, match="not divisible by ep_size"):
+        ep.sizes(2048, 768, 128, 8, world=3, max_tokens=1024)
