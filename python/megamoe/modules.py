@@ -12,16 +12,24 @@ class MegaMoEExperts(nn.Module):
     """Experts with the Hugging Face (transformers v5) Qwen3-MoE layout and names:
     gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; so
     checkpoints load unchanged. forward(hidden [T, H], top_k_index [T, k],
-    top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts."""
+    top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts.
+
+    ep_group (a process group of P ranks): this rank holds experts
+    [rank E/P, (rank + 1) E/P) only (parameters [E/P, ...]) and the layer runs
+    expert-parallel (megamoe.ep); top_k_index stays global."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
-                 save: str = "keep", device=None, dtype=None):
+                 save: str = "keep", ep_group=None, device=None, dtype=None):
         super().__init__()
+        world = ep_group.size() if ep_group is not None else 1
+        if num_experts % world != 0:
+            raise ValueError(f"megamoe: {num_experts} experts do not split evenly over {world} ranks")
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = num_experts, hidden, intermediate, top_k
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
+        local = num_experts // world
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.precision, self.save = precision, save
-        self._megamoe_config = {"precision": precision, "save": save}
+        self._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group}
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
         nn.init.normal_(self.down_proj, std=intermediate ** -0.5)
 
@@ -34,7 +42,7 @@ def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_
     (megamoe's MegaMoEExperts or transformers' Qwen3MoeExperts)."""
     cfg = getattr(experts, "_megamoe_config", {})
     return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
-               precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"))
+               precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"), group=cfg.get("ep_group"))
 
 
 class MoE(nn.Module):
@@ -42,12 +50,12 @@ class MoE(nn.Module):
     optional renormalisation of the k weights."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
-                 precision: str = "bf16", save: str = "keep", device=None, dtype=None):
+                 precision: str = "bf16", save: str = "keep", ep_group=None, device=None, dtype=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
+        self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)  # over all experts
         self.experts = MegaMoEExperts(num_experts, hidden, intermediate, top_k, precision=precision, save=save,
-                                      device=device, dtype=dtype)
+                                      ep_group=ep_group, device=device, dtype=dtype)
 
     def route(self, h: torch.Tensor):
         probs = F.softmax(self.gate(h).float(), dim=-1)
@@ -63,11 +71,17 @@ class MoE(nn.Module):
         return self.experts(h, index, weights).reshape(shape)
 
 
-def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep") -> int:
+def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep", ep_group=None) -> int:
     """Makes every Hugging Face MoE experts module of `model` (transformers v5
     layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], e.g. Qwen3MoeExperts)
     run on megamoe. Parameters, their names and layouts are untouched, so
-    checkpoints load and save as before. Returns the number of modules switched."""
+    checkpoints load and save as before. Returns the number of modules switched.
+
+    ep_group (P ranks): each module keeps only this rank's experts
+    [rank E/P, (rank + 1) E/P) (its parameters become [E/P, ...]: load the
+    full checkpoint first, then shard) and runs expert-parallel."""
+    world = ep_group.size() if ep_group is not None else 1
+    rank = ep_group.rank() if ep_group is not None else 0
     count = 0
     for module in model.modules():
         gu, dp = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -75,7 +89,15 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
             continue
         if isinstance(module, MegaMoEExperts):
             continue
-        module._megamoe_config = {"precision": precision, "save": save}
+        if world > 1:
+            E = gu.shape[0]
+            if E % world != 0 or dp.shape[0] != E:
+                raise ValueError(f"megamoe: {E} experts do not split evenly over {world} ranks")
+            local = slice(rank * (E // world), (rank + 1) * (E // world))
+            with torch.no_grad():
+                module.gate_up_proj = nn.Parameter(gu[local].clone(), requires_grad=gu.requires_grad)
+                module.down_proj = nn.Parameter(dp[local].clone(), requires_grad=dp.requires_grad)
+        module._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group if world > 1 else None}
         module.forward = _bound_forward(module)
         count += 1
     if count == 0:

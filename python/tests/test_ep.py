@@ -98,3 +98,34 @@ def test_ep_sizes_follow_the_layouts():
     assert a["symmetric"] > 2 * 1024 * 2048 * 2
     with pytest.raises(megamoe.MegaMoEError, match="not divisible by ep_size"):
         ep.sizes(2048, 768, 128, 8, world=3, max_tokens=1024)
+
+
+class _RankGroup(_FakeGroup):
+    def __init__(self, n, r):
+        super().__init__(n)
+        self.r = r
+
+    def rank(self):
+        return self.r
+
+
+def test_modules_hold_this_ranks_experts():
+    from megamoe.modules import MegaMoEExperts, MoE, use_megamoe_experts
+    experts = MegaMoEExperts(8, 128, 64, 2, ep_group=_RankGroup(4, 1))
+    assert tuple(experts.gate_up_proj.shape) == (2, 128, 128) and tuple(experts.down_proj.shape) == (2, 128, 64)
+    layer = MoE(128, 64, 8, 2, ep_group=_RankGroup(2, 0))
+    assert layer.gate.out_features == 8 and layer.experts.gate_up_proj.shape[0] == 4
+    with pytest.raises(ValueError, match="do not split evenly"):
+        MegaMoEExperts(6, 128, 64, 2, ep_group=_RankGroup(4, 0))
+
+    class HfExperts(torch.nn.Module):  # the transformers v5 layout
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.arange(8 * 4 * 3, dtype=torch.float32).reshape(8, 4, 3))
+            self.down_proj = torch.nn.Parameter(torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8, 3, 2))
+
+    model = torch.nn.Sequential(HfExperts())
+    full_gu = model[0].gate_up_proj.detach().clone()
+    assert use_megamoe_experts(model, ep_group=_RankGroup(4, 3)) == 1
+    assert torch.equal(model[0].gate_up_proj, full_gu[6:8]) and model[0].down_proj.shape[0] == 2
+    assert model[0]._megamoe_config["ep_group"].rank() == 3
