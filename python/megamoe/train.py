@@ -7,6 +7,15 @@ from [trainer.model.moe.dispatch], trains on a byte-level synthetic corpus
 types and defaults are the table KEYS below (`--help` prints it); an unknown
 key or section, a value of the wrong type or out of range is a one-line error
 naming the key (exit status 2).
+
+Expert parallelism: `ep = N` in [trainer.model.moe.dispatch], launched as
+`torchrun --nproc-per-node N -m megamoe.train --config ...`. Every process is
+one GPU; the N ranks form one expert-parallel group (each holds E / N
+experts, megamoe.ep) and, for everything else, one data-parallel group
+(PyTorch DDP, the experts left out of its all-reduce). Each rank trains on
+its 1 / N of the global batch (batch_size sequences per step in all), and
+the expert gradients are divided by N so that every gradient is that of the
+global batch's mean loss, as on one GPU.
 """
 from __future__ import annotations
 
@@ -53,6 +62,7 @@ class TrainConfig:
     precision: str = "bf16"
     data: str = "synthetic"
     log_every: int = 1
+    ep: int = 1
     extra: dict = field(default_factory=dict)
 
 
@@ -94,6 +104,8 @@ KEYS = (
     Key("trainer", "log_every", "log_every", int, "print every N steps (and the last)", minimum=1),
     Key("trainer.model.moe.dispatch", "type", "dispatch", str, "MoE experts implementation", choices=DISPATCH_TYPES),
     Key("trainer.model.moe.dispatch", "precision", "precision", str, "mega_moe numerics", choices=PRECISIONS),
+    Key("trainer.model.moe.dispatch", "ep", "ep", int, "expert-parallel ranks (torchrun processes, one GPU each)",
+        minimum=1),
     Key("data", "path", "data", str, '"synthetic", or a UTF-8 text file (at least seq_len + 2 bytes)'),
 )
 SECTIONS = ("model", "trainer", "trainer.model", "trainer.model.moe", "trainer.model.moe.dispatch", "data")
@@ -176,6 +188,8 @@ def load_config(path: str) -> TrainConfig:
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.ep > 1 and torch.cuda.is_available():  # torchrun: this process's GPU
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -201,6 +215,19 @@ def validate(cfg: TrainConfig) -> None:
                               "not built yet (bf16 only on CUDA; the CPU reference emulates FP8)")
         if cfg.dtype != "bfloat16":
             raise ConfigError("trainer.dtype must be 'bfloat16' for dispatch type 'mega_moe' on CUDA")
+    if cfg.ep > 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.dispatch != "mega_moe" or device.type != "cuda":
+            raise ConfigError(f"trainer.model.moe.dispatch.ep = {cfg.ep} needs type = 'mega_moe' on CUDA")
+        if world != cfg.ep:
+            raise ConfigError(f"trainer.model.moe.dispatch.ep = {cfg.ep}, but {world} process(es) run: launch with "
+                              f"torchrun --nproc-per-node {cfg.ep}")
+        if cfg.batch_size % cfg.ep != 0:
+            raise ConfigError(f"trainer.batch_size = {cfg.batch_size} does not split over ep = {cfg.ep} ranks")
+        experts = PRESETS[cfg.preset]["num_experts"]
+        if experts % cfg.ep != 0:
+            raise ConfigError(f"trainer.model.moe.dispatch.ep = {cfg.ep} does not divide the preset's {experts} "
+                              "experts")
     if cfg.data != "synthetic":
         try:
             size = os.path.getsize(cfg.data)
@@ -236,7 +263,7 @@ def load_data(cfg: TrainConfig) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
 
-def build_model(cfg: TrainConfig, device: torch.device):
+def build_model(cfg: TrainConfig, device: torch.device, ep_group=None):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from .modules import use_megamoe_experts
@@ -251,26 +278,34 @@ def build_model(cfg: TrainConfig, device: torch.device):
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     with torch.device(device):
         model = Qwen3MoeForCausalLM(mcfg).to(dtype)
-    if cfg.dispatch == "mega_moe":
-        use_megamoe_experts(model, precision=cfg.precision)
+    if cfg.dispatch == "mega_moe":  # every rank built the same weights: each keeps its experts
+        use_megamoe_experts(model, precision=cfg.precision, ep_group=ep_group)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def batches(data: torch.Tensor, cfg: TrainConfig, device: torch.device):
+def batches(data: torch.Tensor, cfg: TrainConfig, device: torch.device, rank: int = 0, world: int = 1):
+    """The global batch of each step (the same on every rank), this rank's 1 / world of it."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
+    share = cfg.batch_size // world
     while True:
         starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size,), generator=g)
-        chunk = torch.stack([data[s:s + cfg.seq_len + 1] for s in starts.tolist()])
+        chunk = torch.stack([data[s:s + cfg.seq_len + 1] for s in starts.tolist()])[rank * share:(rank + 1) * share]
         yield chunk[:, :-1].to(device), chunk[:, 1:].to(device)
 
 
-def train_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on next-byte prediction; returns the (detached) loss."""
+def train_step(model, opt, inputs: torch.Tensor, labels: torch.Tensor, expert_params=(), world: int = 1
+               ) -> torch.Tensor:
+    """One optimizer step on next-byte prediction; returns the (detached) loss. With expert
+    parallelism, the experts' gradients (summed over every rank's tokens) are divided by world,
+    as DDP averages the others."""
     logits = model(input_ids=inputs).logits
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
     loss.backward()
+    for p in expert_params:
+        if p.grad is not None:
+            p.grad.div_(world)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -282,15 +317,37 @@ def progress(step: int, total: int, loss: float, ms: float, tok_s: float) -> str
     return f"[{'#' * done}{'.' * (width - done)}] {step:4d}/{total} loss {loss:7.4f} step {ms:8.1f} ms {tok_s:10.0f} tok/s"
 
 
+def _expert_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The experts' parameters (sharded by expert parallelism): those of modules megamoe runs."""
+    out = []
+    for name, module in model.named_modules():
+        if getattr(module, "_megamoe_config", None) is not None:
+            out += [(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters(recurse=False)]
+    return out
+
+
 def train(cfg: TrainConfig, out=None) -> list[dict]:
     out = out or sys.stdout
     device = resolve_device(cfg)
-    model = build_model(cfg, device)
+    rank, world, ep_group = 0, 1, None
+    if cfg.ep > 1:
+        import torch.distributed as dist
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+        rank, world, ep_group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+        out = out if rank == 0 else open(os.devnull, "w")
+    model = build_model(cfg, device, ep_group)
+    experts = _expert_parameters(model) if world > 1 else []
     data = load_data(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    it = batches(data, cfg, device)
+    if world > 1:  # data-parallel for the rest; the experts are this rank's own
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
+        model = DDP(model, device_ids=[device.index])
+    it = batches(data, cfg, device, rank, world)
     history = []
-    tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.batch_size * cfg.seq_len // world  # this rank's share of the step
     print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({cfg.precision}), "
           f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}",
           file=out)
@@ -299,7 +356,11 @@ def train(cfg: TrainConfig, out=None) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        value = train_step(model, opt, inputs, labels).item()  # one sync per step, for the log
+        loss = train_step(model, opt, inputs, labels, [p for _, p in experts], world)
+        if world > 1:  # the global batch's mean loss, for the log
+            import torch.distributed as dist
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        value = loss.item()  # one sync per step, for the log
         ms = (time.perf_counter() - t0) * 1e3
         if not math.isfinite(value):
             raise RuntimeError(f"megamoe.train: loss became {value} at step {step}")
@@ -314,7 +375,8 @@ def summary(cfg: TrainConfig, history: list[dict], device: torch.device) -> str:
     ms = statistics.median(h["step_ms"] for h in history)
     line = (f"megamoe.train: done: {len(history)} steps of {cfg.preset} x {cfg.num_layers} layers, dispatch "
             f"{cfg.dispatch} ({cfg.precision}) on {device}; loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
-            f"median step {ms:.1f} ms, {cfg.batch_size * cfg.seq_len / (ms / 1e3):.0f} tok/s")
+            f"median step {ms:.1f} ms, {cfg.batch_size * cfg.seq_len / cfg.ep / (ms / 1e3):.0f} tok/s"
+            + (f" per GPU ({cfg.ep} GPUs, expert-parallel)" if cfg.ep > 1 else ""))
     if device.type == "cuda":
         line += f"; peak memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB"
     return line
@@ -343,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
               "(pip install 'megamoe[train]')", file=sys.stderr)
         return 2
     history = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return 0
     print(summary(cfg, history, device))
     if args.json:
         with open(args.json, "w") as f:
