@@ -19,10 +19,24 @@ The forward keeps what the backward needs in a tensor autograd saves (the
 owner's routing plan, z, and its routes' weights); y, dx, d topk_w, dW13 and
 dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h).
 CUDA, bf16, save="keep" only.
+
+Limits, and what goes wrong otherwise:
+  - No CUDA-graph capture and no torch.compile tracing through it (refused /
+    a graph break): a captured call would replay its epoch, and the waits,
+    which pass on flag >= epoch, would read another call's data.
+  - All calls on a buffer run in host order on one stream per rank.
+  - After an error in a call, this rank's buffer is marked out of step and
+    every later call on it raises: the ranks' epoch counters may differ.
+  - The device waits give up after MEGAMOE_EP_TIMEOUT_MS (default 600000, as
+    NCCL's 10 minutes: ranks drift apart for checkpoints and evaluation).
+  - Memory: the owner's pool, slots and saved state are sized for the worst
+    case (every rank's max_tokens tokens routed to this rank), P times the
+    one-GPU sizes at the same max_tokens.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -45,11 +59,15 @@ class _Shared:
     ep_scratch: torch.Tensor
     max_tokens: int
     epoch: int = 0
+    broken: str = ""  # why this buffer is out of step (a call failed on this rank)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, n: int) -> int:
         """The first of n fresh epochs."""
         with self.lock:
+            if self.broken:
+                raise _lib.MegaMoEError(f"megamoe.ep: this rank's expert-parallel buffer is out of step since an "
+                                        f"earlier call failed ({self.broken}); the group must be rebuilt")
             first = self.epoch + 1
             self.epoch += n
             return first
@@ -64,9 +82,13 @@ _SHARED: dict[tuple, _Shared] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _timeout_ms() -> int:
+    return int(os.environ.get("MEGAMOE_EP_TIMEOUT_MS", "600000"))
+
+
 def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool) -> _lib.Config:
     return _lib.Config(H, I, E, k, rank, world, _lib.PRECISIONS["bf16"], _lib.SAVE_POLICIES["keep"],
-                       1 if validate else 0, 0, 0)
+                       1 if validate else 0, 0, _timeout_ms())
 
 
 def sizes(H: int, I: int, E: int, k: int, world: int, max_tokens: int, will_backward: bool = True) -> dict:
@@ -82,7 +104,7 @@ def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int,
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    key = (id(group), device.index, H, k, max_tokens)
+    key = (getattr(group, "group_name", id(group)), device.index, H, k, max_tokens)
     with _SHARED_LOCK:
         s = _SHARED.get(key)
     if s is not None:
@@ -94,11 +116,14 @@ def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int,
     else:
         agreed = int(max_tokens)
     need = sizes(H, I, E, k, world, agreed)
-    buf = peer.symmetric_buffer(need["symmetric"], group)  # collective
+    buf = peer.symmetric_buffer(need["symmetric"], group)  # collective, on the current device (x's)
     buf.tensor.zero_()
     scratch = torch.zeros(need["ep_scratch"], dtype=torch.uint8, device=device)
+    # Every rank's flags are zero before any rank's first call writes them (a
+    # collective on this device's stream, after the zeroing).
+    done = torch.ones(1, device=device)
+    dist.all_reduce(done, group=group)
     torch.cuda.current_stream(device).synchronize()
-    dist.barrier(group)  # every rank's flags are zero before any rank's first call writes them
     s = _Shared(buf, scratch, agreed)
     with _SHARED_LOCK:
         _SHARED[key] = s
@@ -116,7 +141,7 @@ def _run(fn, *args) -> None:
 
 class _EpMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate):
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate, keep):
         from .ops import _scratch, _validate_flag
         import torch.distributed as dist
 
@@ -127,11 +152,14 @@ class _EpMoE(torch.autograd.Function):
         I, k = two_i // 2, topk_idx.shape[1]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         E = L * world
-        shared = _shared(group, x.device, H, I, E, k, T, max_tokens)
+        with torch.cuda.device(x.device):
+            shared = _shared(group, x.device, H, I, E, k, T, max_tokens)
         if T > shared.max_tokens:
+            # The other ranks will wait for this one in vain: this rank's buffer is out of step now.
+            shared.broken = f"{T} tokens on rank {rank} > max_tokens = {shared.max_tokens}"
             raise _lib.MegaMoEError(f"CapacityError: {T} tokens on rank {rank}, but this group's buffer holds "
-                                    f"max_tokens = {shared.max_tokens} (pass max_tokens= to megamoe.moe)")
-        keep = ctx.needs_input_grad[0] or any(ctx.needs_input_grad[2:5])
+                                    f"max_tokens = {shared.max_tokens} (pass max_tokens= to megamoe.moe or the "
+                                    f"module; the other ranks' calls time out)")
         need = sizes(H, I, E, k, world, shared.max_tokens, keep)
         y = torch.empty_like(x)
         saved = torch.empty(need["saved"], dtype=torch.uint8, device=x.device)
@@ -140,16 +168,21 @@ class _EpMoE(torch.autograd.Function):
             scratch = _scratch(x.device, need["scratch"])
             grp = shared.struct(shared.take(1))
             args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
-            _run(_lib.lib().megamoe_ep_forward, ctypes.byref(cfg), ctypes.byref(grp),
-                 *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())
-                                                                if saved.numel() else _lib.Buffer(None, 0)),
-                 ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                 torch.cuda.current_stream(x.device).cuda_stream)
+            try:
+                _run(_lib.lib().megamoe_ep_forward, ctypes.byref(cfg), ctypes.byref(grp),
+                     *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())
+                                                                    if saved.numel() else _lib.Buffer(None, 0)),
+                     ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
+                     torch.cuda.current_stream(x.device).cuda_stream)
+            except _lib.MegaMoEError as e:
+                shared.broken = str(e)
+                raise
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, saved)
         ctx.shared, ctx.cfg, ctx.need = shared, cfg, need
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         from .ops import _scratch
 
@@ -163,18 +196,27 @@ class _EpMoE(torch.autograd.Function):
             scratch = _scratch(x.device, ctx.need["scratch"])
             grp = ctx.shared.struct(ctx.shared.take(2))
             args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
-            _run(_lib.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
-                 *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())),
-                 ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                 torch.cuda.current_stream(x.device).cuda_stream)
-        return dx, None, dtw, dw13, dw2, None, None, None
+            try:
+                _run(_lib.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
+                     *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())),
+                     ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
+                     torch.cuda.current_stream(x.device).cuda_stream)
+            except _lib.MegaMoEError as e:
+                ctx.shared.broken = str(e)
+                raise
+        return dx, None, dtw, dw13, dw2, None, None, None, None
 
 
+@torch._dynamo.disable
 def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, validate: bool = False) -> torch.Tensor:
     """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...)."""
     if not x.is_cuda:
         raise ValueError("megamoe: expert parallelism (group of several ranks) runs CUDA tensors only")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"megamoe: expert parallelism needs bfloat16 x, got {x.dtype}")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("megamoe: expert parallelism cannot be captured in a CUDA graph (a replay would reuse "
+                           "the call's epoch and read another call's data)")
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
     return _EpMoE.apply(x, topk_idx, topk_weights.to(torch.float32), w13.to(torch.bfloat16),
-                        w2.to(torch.bfloat16), group, max_tokens, validate)
+                        w2.to(torch.bfloat16), group, max_tokens, validate, keep)

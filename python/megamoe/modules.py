@@ -15,11 +15,15 @@ class MegaMoEExperts(nn.Module):
     top_k_weights [T, k]) -> [T, H], like Qwen3MoeExperts.
 
     ep_group (a process group of P ranks): this rank holds experts
-    [rank E/P, (rank + 1) E/P) only (parameters [E/P, ...]) and the layer runs
-    expert-parallel (megamoe.ep); top_k_index stays global."""
+    [rank E/P, (rank + 1) E/P) only (parameters [E/P, ...], tagged
+    `_megamoe_ep`: leave them out of DDP / FSDP over the same ranks and divide
+    their gradients by P under a mean loss; see megamoe.train) and the layer
+    runs expert-parallel (megamoe.ep); top_k_index stays global. max_tokens:
+    the most tokens any rank brings to one call (default: agreed at the
+    first call)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
-                 save: str = "keep", ep_group=None, device=None, dtype=None):
+                 save: str = "keep", ep_group=None, max_tokens: int | None = None, device=None, dtype=None):
         super().__init__()
         world = ep_group.size() if ep_group is not None else 1
         if num_experts % world != 0:
@@ -29,7 +33,9 @@ class MegaMoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.precision, self.save = precision, save
-        self._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group}
+        self._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group, "max_tokens": max_tokens}
+        if world > 1:
+            self.gate_up_proj._megamoe_ep = self.down_proj._megamoe_ep = True
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
         nn.init.normal_(self.down_proj, std=intermediate ** -0.5)
 
@@ -42,7 +48,8 @@ def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_
     (megamoe's MegaMoEExperts or transformers' Qwen3MoeExperts)."""
     cfg = getattr(experts, "_megamoe_config", {})
     return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
-               precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"), group=cfg.get("ep_group"))
+               precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"), group=cfg.get("ep_group"),
+               max_tokens=cfg.get("max_tokens"))
 
 
 class MoE(nn.Module):
@@ -50,12 +57,13 @@ class MoE(nn.Module):
     optional renormalisation of the k weights."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
-                 precision: str = "bf16", save: str = "keep", ep_group=None, device=None, dtype=None):
+                 precision: str = "bf16", save: str = "keep", ep_group=None, max_tokens: int | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)  # over all experts
         self.experts = MegaMoEExperts(num_experts, hidden, intermediate, top_k, precision=precision, save=save,
-                                      ep_group=ep_group, device=device, dtype=dtype)
+                                      ep_group=ep_group, max_tokens=max_tokens, device=device, dtype=dtype)
 
     def route(self, h: torch.Tensor):
         probs = F.softmax(self.gate(h).float(), dim=-1)
@@ -71,15 +79,19 @@ class MoE(nn.Module):
         return self.experts(h, index, weights).reshape(shape)
 
 
-def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep", ep_group=None) -> int:
+def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep", ep_group=None,
+                        max_tokens: int | None = None) -> int:
     """Makes every Hugging Face MoE experts module of `model` (transformers v5
     layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], e.g. Qwen3MoeExperts)
     run on megamoe. Parameters, their names and layouts are untouched, so
     checkpoints load and save as before. Returns the number of modules switched.
 
     ep_group (P ranks): each module keeps only this rank's experts
-    [rank E/P, (rank + 1) E/P) (its parameters become [E/P, ...]: load the
-    full checkpoint first, then shard) and runs expert-parallel."""
+    [rank E/P, (rank + 1) E/P) and runs expert-parallel. Its parameters become
+    new [E/P, ...] tensors tagged `_megamoe_ep`: load the full checkpoint
+    first, then shard, then build the optimizer and DDP / FSDP (leaving the
+    tagged parameters out of them); a state_dict then holds this rank's
+    experts under the full names. max_tokens: as MegaMoEExperts."""
     world = ep_group.size() if ep_group is not None else 1
     rank = ep_group.rank() if ep_group is not None else 0
     count = 0
@@ -89,6 +101,8 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
             continue
         if isinstance(module, MegaMoEExperts):
             continue
+        if getattr(module, "_megamoe_config", {}).get("ep_group") is not None:
+            raise ValueError("megamoe: these experts are sharded already (use_megamoe_experts ran twice?)")
         if world > 1:
             E = gu.shape[0]
             if E % world != 0 or dp.shape[0] != E:
@@ -97,7 +111,9 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
             with torch.no_grad():
                 module.gate_up_proj = nn.Parameter(gu[local].clone(), requires_grad=gu.requires_grad)
                 module.down_proj = nn.Parameter(dp[local].clone(), requires_grad=dp.requires_grad)
-        module._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group if world > 1 else None}
+            module.gate_up_proj._megamoe_ep = module.down_proj._megamoe_ep = True
+        module._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group if world > 1 else None,
+                                  "max_tokens": max_tokens}
         module.forward = _bound_forward(module)
         count += 1
     if count == 0:

@@ -279,7 +279,8 @@ def build_model(cfg: TrainConfig, device: torch.device, ep_group=None):
     with torch.device(device):
         model = Qwen3MoeForCausalLM(mcfg).to(dtype)
     if cfg.dispatch == "mega_moe":  # every rank built the same weights: each keeps its experts
-        use_megamoe_experts(model, precision=cfg.precision, ep_group=ep_group)
+        per_rank = cfg.batch_size // cfg.ep * cfg.seq_len if ep_group is not None else None
+        use_megamoe_experts(model, precision=cfg.precision, ep_group=ep_group, max_tokens=per_rank)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -318,12 +319,8 @@ def progress(step: int, total: int, loss: float, ms: float, tok_s: float) -> str
 
 
 def _expert_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The experts' parameters (sharded by expert parallelism): those of modules megamoe runs."""
-    out = []
-    for name, module in model.named_modules():
-        if getattr(module, "_megamoe_config", None) is not None:
-            out += [(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters(recurse=False)]
-    return out
+    """The experts' parameters sharded by expert parallelism (tagged by use_megamoe_experts)."""
+    return [(n, p) for n, p in model.named_parameters() if getattr(p, "_megamoe_ep", False)]
 
 
 def train(cfg: TrainConfig, out=None) -> list[dict]:

@@ -37,25 +37,35 @@ def _two_ranks(rank: int, init_file: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))
     try:
-        T, H, I, E, k = 2 * 300, 256, 256, 8, 2
-        half, L = T // 2, E // 2
-        for call in range(2):  # two calls: the buffer's epochs move on
-            x, idx, w, w13, w2, dy = _inputs(T, H, I, E, k, f"cuda:{rank}", seed=7 + call)
-            # One GPU, the whole batch, all experts.
-            leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
-            y1 = megamoe.moe(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        H, I, E, k = 256, 256, 8, 2
+        counts = (290, 310)  # uneven: max_tokens is agreed as 310
+        T, L = sum(counts), E // 2
+        s = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+        e = slice(rank * L, (rank + 1) * L)
+        for call in range(2):  # the buffer's epochs move on from call to call
+            x, idx_a, w_a, w13_a, w2_a, dy = _inputs(T, H, I, E, k, f"cuda:{rank}", seed=7 + call)
+            _, idx_b, w_b, w13_b, w2_b, _ = _inputs(T, H, I, E, k, f"cuda:{rank}", seed=70 + call)
+            idx_a[::7, 1] = -1  # dropped routes
+            # Two layers sharing one buffer, in training's order (forward a, forward b,
+            # backward b, backward a), with a no-grad forward (an eval) in between.
+            def two_layers(x, wa, w13a, w2a, wb, w13b, w2b, ids_a, ids_b, group=None):
+                h = megamoe.moe(x, ids_a, wa, w13a, w2a, group=group)
+                return megamoe.moe(h, ids_b, wb, w13b, w2b, group=group)
+
+            full = [t.clone().requires_grad_() for t in (x, w_a, w13_a, w2_a, w_b, w13_b, w2_b)]
+            y1 = two_layers(*full, idx_a, idx_b)
             y1.backward(dy)
-            # This rank: its tokens, its experts.
-            s = slice(rank * half, (rank + 1) * half)
-            e = slice(rank * L, (rank + 1) * L)
-            mine = [x[s].clone().requires_grad_(), w[s].clone().requires_grad_(), w13[e].clone().requires_grad_(),
-                    w2[e].clone().requires_grad_()]
-            y2 = megamoe.moe(mine[0], idx[s], mine[1], mine[2], mine[3], group=dist.group.WORLD)
+            mine = [t.clone().requires_grad_() for t in (x[s], w_a[s], w13_a[e], w2_a[e], w_b[s], w13_b[e], w2_b[e])]
+            y2 = two_layers(*mine, idx_a[s], idx_b[s], group=dist.group.WORLD)
+            with torch.no_grad():
+                y_eval = two_layers(*mine, idx_a[s], idx_b[s], group=dist.group.WORLD)
             y2.backward(dy[s])
             megamoe.check()
-            pairs = {"y": (y2, y1[s]), "dx": (mine[0].grad, leaves[0].grad[s]),
-                     "d_topk_weights": (mine[1].grad, leaves[1].grad[s]), "dw13": (mine[2].grad, leaves[2].grad[e]),
-                     "dw2": (mine[3].grad, leaves[3].grad[e])}
+            assert torch.equal(y_eval, y2), f"rank {rank}: a no-grad forward differs"
+            pairs = {"y": (y2, y1[s]), "dx": (mine[0].grad, full[0].grad[s])}
+            for i, name in enumerate(("d_topk_weights a", "dw13 a", "dw2 a", "d_topk_weights b", "dw13 b", "dw2 b")):
+                sl = s if name.startswith("d_topk") else e
+                pairs[name] = (mine[i + 1].grad, full[i + 1].grad[sl])
             for name, (got, want) in pairs.items():
                 assert torch.equal(got, want), f"rank {rank}, call {call}: {name} differs from one GPU's"
         dist.barrier()

@@ -197,6 +197,8 @@ Status ep_call_parts(const MoeProblem& p, const EpArgs& a, const MoeBuffers& b, 
 Status cuda_ep_sizes(const MoeProblem& p, int64_t max_tokens, bool will_backward, EpSizes* out) {
   MEGAMOE_RETURN_IF_ERROR(validate_problem(p));
   if (max_tokens < 0) return invalid_argument("EP: max_tokens must be >= 0");
+  if (p.top_k > 32) return invalid_argument("top_k = " + std::to_string(p.top_k) + " exceeds the CUDA limit of 32");
+  if (p.ep_size > 8) return invalid_argument("ep_size = " + std::to_string(p.ep_size) + ": 1 to 8 ranks");
   const cuda::DispatchLayout l = ep_layout(p, max_tokens);
   const LayerDims owner = ep_owner(p, max_tokens);
   ScratchLayout sl;

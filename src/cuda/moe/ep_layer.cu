@@ -64,7 +64,8 @@ Status check_ep_call(const LayerCall& call, const EpGroup& ep, const LayerInputs
   if (d.tokens != want.tokens || d.num_experts != want.num_experts || d.top_k != want.top_k || d.hidden != want.hidden)
     return invalid_argument("EP layer: the call's dims are not ep_owner_dims (" + std::to_string(d.tokens) +
                             " virtual tokens, " + std::to_string(d.num_experts) + " local experts)");
-  if (in.x == nullptr || in.topk_idx == nullptr || in.topk_weights == nullptr || in.w13 == nullptr ||
+  // A rank with no tokens still takes part (PyTorch gives its empty tensors null pointers).
+  if ((tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr || in.topk_weights == nullptr)) || in.w13 == nullptr ||
       in.w2 == nullptr)
     return invalid_argument("EP layer: an input pointer is null");
   return Status::Ok();
@@ -160,7 +161,7 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
 
 Status ep_forward_combine(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens, void* y) {
   MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
-  if (y == nullptr) return invalid_argument("EP layer: y is null");
+  if (y == nullptr && tokens > 0) return invalid_argument("EP layer: y is null");
   const EpScratch s = ep_scratch(ep);
   // A missing owner poisons y (NaN) besides the report: never stale slots summed.
   MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
@@ -249,7 +250,7 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
                            int64_t tokens, const LayerGrads& grads, const LayerBuffers& buffers,
                            const void* ep_saved) {
   MEGAMOE_RETURN_IF_ERROR(check_backward(call, ep, in, tokens, buffers, ep_saved));
-  if (grads.dw2 == nullptr || dy == nullptr) return invalid_argument("EP layer: dw2 or dy is null");
+  if (grads.dw2 == nullptr || (dy == nullptr && tokens > 0)) return invalid_argument("EP layer: dw2 or dy is null");
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, L = d.num_experts;
   const EpScratch s = ep_scratch(ep);
@@ -287,7 +288,7 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
 Status ep_backward_combine(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
                            const LayerGrads& grads) {
   MEGAMOE_RETURN_IF_ERROR(check_ep_call(call, ep, in, tokens));
-  if (grads.dx == nullptr || grads.d_topk_weights == nullptr)
+  if (tokens > 0 && (grads.dx == nullptr || grads.d_topk_weights == nullptr))
     return invalid_argument("EP layer: dx or d_topk_weights is null");
   const EpScratch s = ep_scratch(ep);
   MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
