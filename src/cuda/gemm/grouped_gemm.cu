@@ -43,8 +43,10 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   const int e = tile.expert;
   const int I = static_cast<int>(p.args.intermediate);
   for (int box = 0; box < 2; ++box) {
-    // A
-    const int a_row = tile.m * kBlockM + box * 64;
+    // A. Rows 64..127 of an expert's last tile are often padding (zeros in the
+    // pool): box 1 is then asked for past the tensor's end, which TMA fills
+    // with zeros without reading memory (Tile::lower_half_used).
+    const int a_row = box == 1 && !tile.lower_half_used ? static_cast<int>(p.args.a_rows) : tile.m * kBlockM + box * 64;
     const int c0 = T::kAMnMajor ? a_row : k0, c1 = T::kAMnMajor ? k0 : a_row;
     if constexpr (kPair) {
       if (box == static_cast<int>(rank)) tma_load_2d_multicast(smem_a + box * kBoxBytes, map_a, full, c0, c1, 0b11);

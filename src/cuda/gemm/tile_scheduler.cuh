@@ -20,6 +20,12 @@ struct Tile {
   int expert, m, n;  // m: pool tile (M-grouped) or dW row tile (kWeightGrad)
   int k_begin;       // first K coordinate (pool row for kWeightGrad, else 0)
   int k_blocks;
+  // M-grouped modes: rows 64..127 of the tile hold real rows. An expert's
+  // last tile often holds 64 or fewer; its A box 1 is then zero-filled by
+  // TMA instead of read (load_stage). The wgmmas stay the same: skipping
+  // them on a runtime condition makes ptxas serialise every wgmma (C7520 /
+  // C7515, checked). Always true for kWeightGrad.
+  bool lower_half_used;
 };
 
 template <GemmMode M>
@@ -43,13 +49,17 @@ struct TileScheduler {
       tile.n = t % p.n_tiles;
       const int rows = p.args.plan.expert_rows[tile.expert];
       tile.k_begin = p.args.plan.expert_offset[tile.expert];
-      tile.k_blocks = ((rows + kBlockM - 1) / kBlockM) * (kBlockM / kBlockK);  // segments are 128-padded
+      // K = the expert's rows, in 64-row blocks: a block of padding only (zeros) is skipped.
+      tile.k_blocks = (rows + kBlockK - 1) / kBlockK;
+      tile.lower_half_used = true;
     } else {
       tile.m = t / p.n_tiles;
       tile.n = t % p.n_tiles;
       tile.expert = p.args.plan.tile_expert[tile.m];
       tile.k_begin = 0;
       tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
+      const int end = p.args.plan.expert_offset[tile.expert] + p.args.plan.expert_rows[tile.expert];
+      tile.lower_half_used = end - tile.m * kBlockM > 64;
     }
     return tile;
   }
