@@ -114,7 +114,10 @@ int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0
 // Ranks on `devices` (repeats: several ranks on one GPU), two calls (forward
 // and backward each); every rank's outputs must equal the one-GPU layer's
 // rows of its tokens and experts, bit for bit.
-void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) {
+// rank_major: every rank enqueues all its phases on a stream of its own before
+// the next rank starts (as separate processes would), so the device-side
+// waits alone order the ranks; otherwise phase-major on the default stream.
+void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, bool rank_major = false) {
   const int P = c.world, L = c.experts / P, k = c.top_k;
   const int64_t H = c.hidden, I = c.intermediate, base = 150;
   std::vector<int64_t> count(static_cast<size_t>(P)), first(static_cast<size_t>(P));
@@ -135,6 +138,10 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
 
   struct Rank {
     std::unique_ptr<DeviceBytes> ep_scratch, scratch, saved, ep_saved;
+    cudaStream_t stream = nullptr;  // rank_major: its own
+    ~Rank() {
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
     cuda::LayerCall call;
     MoeBuffers buffers, forward_only;  // with the saved buffer, and without
   };
@@ -160,7 +167,10 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
     R.forward_only = R.buffers;
     R.buffers.saved = R.saved->p, R.buffers.saved_bytes = sv.bytes;
     R.call.errors.timeout_ns = test_wait_timeout_ns();
-    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call));
+    if (rank_major) {
+      ASSERT_EQ(cudaStreamCreate(&R.stream), cudaSuccess);
+    }
+    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), R.stream, R.buffers, &R.call));
   }
 
   for (uint32_t call = 1; call <= 3; ++call) {
@@ -190,9 +200,8 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
       ep.scratch = ranks[static_cast<size_t>(r)].ep_scratch->p;
       return ep;
     };
-    // Forward (3 phases), then backward (6), each phase for every rank in turn.
-    for (int phase = 0; phase < (backward ? 9 : 3); ++phase)
-      for (int r = 0; r < P; ++r) {
+    // Forward (3 phases), then backward (6).
+    auto run_phase = [&](int phase, int r) {
         ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
         const DeviceLayer& D = *dev[static_cast<size_t>(r)];
         const Rank& R = ranks[static_cast<size_t>(r)];
@@ -216,10 +225,16 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
           case 7: MEGAMOE_ASSERT_OK(cuda::ep_backward_weight_grads(R.call, bw, in, n, g, R.buffers, R.ep_saved->p)); break;
           default: MEGAMOE_ASSERT_OK(cuda::ep_backward_finish(R.call, bw)); break;
         }
+    };
+    const int phases = backward ? 9 : 3;
+    for (int a = 0; a < (rank_major ? P : phases); ++a)
+      for (int b = 0; b < (rank_major ? phases : P); ++b) {
+        rank_major ? run_phase(b, a) : run_phase(a, b);
+        if (::testing::Test::HasFatalFailure()) return;
       }
     for (int r = 0; r < P; ++r) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
-      MEGAMOE_ASSERT_OK(check_device_errors(group->device(r), nullptr));
+      MEGAMOE_ASSERT_OK(check_device_errors(group->device(r), ranks[static_cast<size_t>(r)].stream));
       LayerOutputs got = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
       MEGAMOE_ASSERT_OK(download_outputs(*dev[static_cast<size_t>(r)], &got));
       const int64_t t0 = first[static_cast<size_t>(r)], t1 = t0 + count[static_cast<size_t>(r)];
@@ -238,6 +253,13 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices) 
 
 class EpLayer : public ::testing::TestWithParam<EpCase> {};
 
+// Two ranks on one GPU, each on its own stream, each enqueuing its whole call
+// before the other starts: only the device-side flags order them.
+TEST(EpLayerStreams, RanksOnTheirOwnStreamsAreBitwiseTheOneGpuLayer) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_ep_equals_one_gpu(EpCase{"P2_streams", 2, 256, 256, 8, 2, Routing::kWithDrops}, {0, 0}, true);
+}
+
 TEST_P(EpLayer, ForwardAndBackwardAreBitwiseTheOneGpuLayerOnTheWholeBatch) {
   MEGAMOE_REQUIRE_GPU();
   expect_ep_equals_one_gpu(GetParam(), std::vector<int>(static_cast<size_t>(GetParam().world), 0));
@@ -253,7 +275,7 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
 TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
-  expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1});
+  expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1}, true);
 }
 
 // No GPU needed: every phase checks its call before it launches anything.
