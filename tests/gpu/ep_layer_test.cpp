@@ -35,6 +35,7 @@ struct EpCase {
   int64_t hidden, intermediate;
   int experts, top_k;
   Routing routing;
+  bool last_rank_empty = false;  // the last rank brings no tokens (its experts still work for the others)
 };
 void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
 
@@ -124,6 +125,7 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
   int64_t total = 0;
   for (int r = 0; r < P; ++r) {
     count[static_cast<size_t>(r)] = base - 13 * (r % 5);  // differ by rank, all within max_tokens
+    if (c.last_rank_empty && r == P - 1) count[static_cast<size_t>(r)] = 0;
     first[static_cast<size_t>(r)] = total;
     total += count[static_cast<size_t>(r)];
   }
@@ -269,7 +271,9 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
                          ::testing::Values(EpCase{"P2_E8_k2", 2, 256, 256, 8, 2, Routing::kUniform},
                                            EpCase{"P4_E8_k2_drops", 4, 256, 128, 8, 2, Routing::kWithDrops},
                                            EpCase{"P2_E8_k2_one_hot", 2, 128, 128, 8, 2, Routing::kOneExpert},
-                                           EpCase{"P8_E16_k4", 8, 128, 128, 16, 4, Routing::kUniform}),
+                                           EpCase{"P8_E16_k4", 8, 128, 128, 16, 4, Routing::kUniform},
+                                           EpCase{"P3_E6_k2_last_rank_empty", 3, 128, 128, 6, 2, Routing::kUniform,
+                                                  true}),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
 TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
