@@ -1,0 +1,177 @@
+"""Expert parallelism over the GPUs of one machine: megamoe's EP layer against the
+TorchTitan-style pipeline (issue 11 point 6), forward + backward, same run.
+
+    python3 bench/ep_compare.py --preset qwen3-30b-a3b --tokens 16384 --routing uniform --json ep.json
+
+One process per GPU (spawned here); each rank holds --tokens tokens and E / P experts.
+Backends, each timed in turn in the same processes (CUDA-event medians after warm-up,
+the slowest rank's time):
+  megamoe_ep        megamoe.moe(..., group=WORLD): dispatch, experts and combine on the device
+  a2a_gmm_compile   TorchTitan's expert parallelism: routes sorted by destination rank, the split
+                    sizes exchanged and read on the host (TorchTitan does the same), NCCL
+                    all_to_all_single of the route rows out and of the expert outputs back
+                    (autograd through torch.distributed.nn), the torch.compile'd grouped_mm
+                    pipeline of bench/compare_torch.py on the owner, routing weight and bf16
+                    scatter_add combine at the source
+  no_comm           the same per-GPU expert work without communication: megamoe on one GPU,
+                    --tokens tokens routed over the E / P local experts
+Before timing, megamoe_ep's y is checked against a2a_gmm_compile's (bf16 bounds).
+Not yet: SonicMoE as the a2a pipeline's expert compute, torch.ops.symm_mem.all_to_all_vdev.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def _routing(T, E, k, skewed, gen, device):
+    bias = torch.zeros(E, device=device)
+    if skewed:  # a few experts take most rows (lognormal popularity, sigma 2)
+        bias = torch.randn(E, generator=gen, device=device) * 2.0
+    u = torch.rand(T, E, generator=gen, device=device).clamp_min(1e-20)
+    idx = (bias - torch.log(-torch.log(u))).topk(k, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, generator=gen, device=device), dim=1)
+    return idx.contiguous(), w.contiguous()
+
+
+def a2a_forward(x, idx, w, w13, w2, group, expert_fn):
+    """TorchTitan-style EP forward (see the module docstring); autograd end to end."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnn
+
+    T, H = x.shape
+    k = idx.shape[1]
+    P, L = dist.get_world_size(group), w13.shape[0]
+    flat = idx.reshape(-1).long()
+    dest = torch.where(flat >= 0, flat // L, P)
+    order = torch.argsort(dest, stable=True)
+    counts = torch.bincount(dest, minlength=P + 1)[:P]
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    in_splits, out_splits = counts.tolist(), recv_counts.tolist()  # the host sync TorchTitan also has
+    n = sum(in_splits)
+    routes = order[:n]
+    send_rows = x[routes // k]
+    send_ids = (flat[routes] % L).to(torch.int32)
+    recv_ids = torch.empty(sum(out_splits), dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(recv_ids, send_ids, out_splits, in_splits, group=group)
+    recv_rows = dnn.all_to_all_single(x.new_empty(sum(out_splits), H), send_rows, out_splits, in_splits, group=group)
+    ones = torch.ones(recv_rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    out = expert_fn(recv_rows, recv_ids[:, None], ones, w13, w2)
+    back = dnn.all_to_all_single(x.new_empty(n, H), out, in_splits, out_splits, group=group)
+    scaled = (back.float() * w.reshape(-1)[routes, None]).to(x.dtype)
+    return x.new_zeros(T, H).scatter_add(0, (routes // k)[:, None].expand(-1, H), scaled)
+
+
+def _median_ms(fn, warmup, iters):
+    import torch.distributed as dist
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank
+    return float(t.item())
+
+
+def _rank_main(rank, world, args, init_file, out_file):
+    import torch.distributed as dist
+
+    import megamoe
+    from compare_torch import grouped_mm_forward
+    from megamoe.train import PRESETS
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        p = PRESETS[args.preset]
+        H, I, E, k = p["hidden_size"], p["moe_intermediate_size"], p["num_experts"], p["num_experts_per_tok"]
+        T, L, dev = args.tokens, E // world, torch.device("cuda", rank)
+        gen = torch.Generator(device=dev).manual_seed(1000 + rank)
+        x = (torch.rand(T, H, generator=gen, device=dev) * 2 - 1).to(torch.bfloat16)
+        idx, w = _routing(T, E, k, args.routing == "skewed", gen, dev)
+        local_idx, _ = _routing(T, L, k, args.routing == "skewed", gen, dev)
+        w13 = (torch.randn(L, 2 * I, H, generator=gen, device=dev) * H ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(L, H, I, generator=gen, device=dev) * I ** -0.5).to(torch.bfloat16)
+        dy = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
+        expert_fn = torch.compile(functools.partial(grouped_mm_forward, gmm=torch._grouped_mm, align=8), dynamic=True)
+        leaves = lambda: [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]  # noqa: E731
+
+        def run(name):
+            xa, wa, w13a, w2a = leaves()
+            if name == "megamoe_ep":
+                y = megamoe.moe(xa, idx, wa, w13a, w2a, group=dist.group.WORLD, max_tokens=T)
+            elif name == "a2a_gmm_compile":
+                y = a2a_forward(xa, idx, wa, w13a, w2a, dist.group.WORLD, expert_fn)
+            else:
+                y = megamoe.moe(xa, local_idx, wa, w13a, w2a)
+            y.backward(dy)
+            return y
+
+        y_ep, y_a2a = run("megamoe_ep"), run("a2a_gmm_compile")
+        err = ((y_ep.float() - y_a2a.float()).norm() / y_a2a.float().norm().clamp_min(1e-30)).item()
+        results = {"preset": args.preset, "tokens_per_rank": T, "world": world, "routing": args.routing,
+                   "y_rel_err_vs_a2a": err}
+        for name in ("megamoe_ep", "a2a_gmm_compile", "no_comm"):
+            results[name + "_ms"] = _median_ms(lambda: run(name), args.warmup, args.iters)
+        megamoe.check()
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, default=16384, help="per rank")
+    ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    world = torch.cuda.device_count()
+    if world < 2:
+        print(f"ep_compare: needs 2 or more GPUs, {world} visible", file=sys.stderr)
+        return 2
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        mp.spawn(_rank_main, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
+        r = json.loads(Path(out).read_text())
+    print(f"ep_compare: {r['preset']}, {r['world']} GPUs, {r['tokens_per_rank']} tokens per GPU, {r['routing']} routing "
+          f"(fwd+bwd, slowest rank, medians of {args.iters})")
+    print(f"megamoe_ep y vs a2a_gmm_compile: relative error {r['y_rel_err_vs_a2a']:.2e}")
+    base = r["megamoe_ep_ms"]
+    for name in ("megamoe_ep", "a2a_gmm_compile", "no_comm"):
+        ms = r[name + "_ms"]
+        print(f"  {name:<18} {ms:9.3f} ms   {ms / base:6.3f}x megamoe_ep")
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    ok = r["y_rel_err_vs_a2a"] < 2e-2
+    if not ok:
+        print("ep_compare: megamoe_ep and the a2a pipeline disagree beyond the bf16 bound", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
