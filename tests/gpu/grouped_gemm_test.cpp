@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -309,6 +310,72 @@ TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
   expect_slots_match(slots, ref, /*weighted=*/false);
+}
+
+// B transposed and K-major (GroupedGemmArgs::b_k_major, the layout FP8 needs)
+// against the default MN-major B: the same products in the same order, so
+// every output must be bitwise the same.
+TEST_P(GroupedGemm, TransposedWeightsAreBitwiseTheMnMajorPath) {
+  auto transposed = [](const Mat& w, int64_t experts, int64_t kdim, int64_t n) {  // [E*k, n] -> [E*n, k]
+    Mat t;
+    t.make(experts * n, kdim);
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t r = 0; r < kdim; ++r)
+        for (int64_t c = 0; c < n; ++c) t.host[(e * n + c) * kdim + r] = w.host[(e * kdim + r) * n + c];
+    t.upload();
+    return t;
+  };
+  {  // kGateUpGrad: w13 as [E*2I, H] -> [E*H, 2I]
+    Mat dz, w13, slots, slots_t;
+    random_pool(dz, 2 * I, 5);
+    random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
+    slots.make(k * T, H), slots_t.make(k * T, H);
+    ASSERT_TRUE(slots.dev.fill_bytes(0).ok() && slots_t.dev.fill_bytes(0xFF).ok());
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I;
+    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
+    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+    g.out0 = slots.dev.view().data;
+    run(g);
+    const Mat w13_t = transposed(w13, E, 2 * I, H);
+    g.b = w13_t.dev.view().data, g.b_rows = E * H, g.b_cols = 2 * I, g.b_k_major = true;
+    g.out0 = slots_t.dev.view().data;
+    run(g);
+    // Untouched slots (dropped routes) differ by their fill; compare written rows only.
+    const auto a = slots.download(), b = slots_t.download();
+    int64_t bad = 0;
+    for (int64_t r = 0; r < pool_rows; ++r) {
+      const int src = row_src[r];
+      if (src < 0) continue;
+      const int64_t slot = (src % k) * T + src / k;
+      bad += std::memcmp(&a[slot * H], &b[slot * H], H * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(bad, 0) << "kGateUpGrad slot rows that differ";
+  }
+  {  // kDownGrad: w2 as [E*H, I] -> [E*I, H]
+    Mat dy, w2, z, dz, wa, dz_t, wa_t;
+    DeviceTensor dwp, dwp_t;
+    cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dwp);
+    run(g);
+    const Mat w2_t = transposed(w2, E, H, I);
+    dz_t.make(C, 2 * I), wa_t.make(C, I);
+    dwp_t = DeviceTensor(DType::kF32, {C, I / 128});
+    ASSERT_TRUE(dz_t.dev.fill_bytes(0xFF).ok() && wa_t.dev.fill_bytes(0xFF).ok() && dwp_t.fill_bytes(0xFF).ok());
+    g.b = w2_t.dev.view().data, g.b_rows = E * I, g.b_cols = H, g.b_k_major = true;
+    g.out0 = dz_t.dev.view().data, g.out1 = wa_t.dev.view().data;
+    g.dw_partial = static_cast<float*>(dwp_t.view().data);
+    run(g);
+    // Both runs' outputs start from the same poison: unwritten places match too, bit for bit.
+    auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+    };
+    EXPECT_TRUE(same_bits(dz.download(), dz_t.download())) << "kDownGrad dz";
+    EXPECT_TRUE(same_bits(wa.download(), wa_t.download())) << "kDownGrad wa";
+    HostTensor p1(DType::kF32, {C, I / 128}), p2(DType::kF32, {C, I / 128});
+    ASSERT_TRUE(dwp.download(&p1).ok() && dwp_t.download(&p2).ok());
+    const int64_t bad = std::memcmp(p1.view.data, p2.view.data, static_cast<size_t>(C * (I / 128)) * 4) != 0;
+    EXPECT_EQ(bad, 0) << "kDownGrad d topk_w partials";
+  }
 }
 
 TEST_P(GroupedGemm, WeightGradMnMajorBothOperands) {

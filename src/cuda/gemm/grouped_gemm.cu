@@ -34,7 +34,8 @@ using namespace engine;
 // TMA loads of one k-block of a tile: A and B, each as two 64 x 64 boxes.
 // kPair: the two CTAs of a cluster compute tiles with the same A rows (n and
 // n + 1), so CTA `rank` loads A box `rank` only and multicasts it to both.
-template <GemmMode M, bool kPair>
+// kBT: kDownGrad / kGateUpGrad with B transposed, K-major (GroupedGemmArgs::b_k_major).
+template <GemmMode M, bool kPair, bool kBT>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
                                            uint8_t* smem_b, uint64_t* full, uint32_t rank) {
@@ -61,6 +62,9 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
     } else if constexpr (M == GemmMode::kWeightGrad) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64, k0);
+    } else if constexpr (kBT) {  // [E * n, k]: expert e's output columns are rows, K inner
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0,
+                  e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
     } else {  // kDownGrad (w2 as [E*H, I]) and kGateUpGrad (w13 as [E*2I, H]): K = rows of expert e
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64,
                   e * static_cast<int>(p.args.k) + k0);
@@ -74,13 +78,15 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // holds each tile until its rows are in (GroupedGemmArgs::rows_ready); its own
 // instantiation, because the check in the producer's tile loop cost the
 // M-grouped modes 3-8% even when never taken (Nsight Compute, session 18).
-template <GemmMode M, bool kPair, bool kHoldRows>
+// kBT: as load_stage.
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
                         const __grid_constant__ CUtensorMap map_out1, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
   constexpr int S = Tr::kStages;
+  constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
@@ -139,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint64_t* full = &ring.full[ps.stage()];
           mbar_arrive_expect_tx(full, kStageBytes);
           uint8_t* stage = smem + ps.stage() * kStageBytes;
-          load_stage<M, kPair>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+          load_stage<M, kPair, kBT>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
         }
       }
       // Stay until both CTAs' consumers have released every stage: the
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         uint64_t db;
-        if constexpr (Tr::kBMnMajor) {
+        if constexpr (kBMn) {
           db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
         } else {
           db = smem_desc_sw128(sb + kk * 32, 0, 1024);
@@ -222,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           } else {
             da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
           }
-          wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, Tr::kBMnMajor ? 1 : 0>(acc[h], da, db, 1);
+          wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, kBMn ? 1 : 0>(acc[h], da, db, 1);
         }
       }
       wgmma_commit();
@@ -252,12 +258,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks || Tr::kStaged) bulk_wait_group<0>();
 }
 
-template <GemmMode M, bool kPair, bool kHoldRows>
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
   using Tr = ModeTraits<M>;
-  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -311,6 +317,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
   if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
     return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  if (args.b_k_major && args.mode != GemmMode::kDownGrad && args.mode != GemmMode::kGateUpGrad)
+    return internal_error("grouped GEMM: b_k_major is for kDownGrad and kGateUpGrad (the others read K-major B already, "
+                          "or both operands MN-major)");
+  if (args.b_k_major && args.rows_ready != nullptr)
+    return unimplemented("grouped GEMM: b_k_major with rows_ready is not instantiated");
+  if (args.b_k_major && (args.b_cols != args.k || args.n <= 0 || args.b_rows % args.n != 0))
+    return internal_error("grouped GEMM: b_k_major expects B as [E * n, k]");
   if (args.rows_ready != nullptr && args.ready_value == 0)
     return internal_error("grouped GEMM: rows_ready with ready_value 0 would wait for nothing");
   KernelParams p;
@@ -340,6 +353,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     constexpr GemmMode m = decltype(mode)::value;
     if constexpr (ModeTraits<m>::kPairs) {
       if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {
+      if (args.b_k_major) return launch_mode<m, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
     if constexpr (m != GemmMode::kWeightGrad) {  // rows_ready: refused above for kWeightGrad
       if (args.rows_ready != nullptr)

@@ -56,6 +56,11 @@ struct GroupedGemmArgs {
   int64_t a_rows = 0, a_cols = 0;
   const void* b = nullptr;
   int64_t b_rows = 0, b_cols = 0;
+  // kDownGrad, kGateUpGrad: B given transposed, K-major, as [E * n, k] (each
+  // expert's weights transposed), instead of the MN-major [E * k, n] they
+  // read by default. The same products in the same order (bitwise the same
+  // result); the path FP8 needs, whose wgmma reads K-major operands only.
+  bool b_k_major = false;
   // Epilogue operands (by mode).
   const float* topk_weights = nullptr;  // [T, k]
   const void* z_pool = nullptr;          // kDownGrad input [capacity, 2I]
