@@ -90,8 +90,13 @@ Status prepare_call(const megamoe_config* config, const TensorView& x, void* str
   return Status::Ok();
 }
 
-Status ep_args_of(const megamoe_ep_group* g, megamoe::detail::EpArgs* a) {
+// An expert-parallel call: as prepare_call, plus the group; CUDA tensors only.
+Status prepare_ep_call(const megamoe_config* config, const megamoe_ep_group* g, const TensorView& x, void* stream,
+                       megamoe::MoeProblem* p, megamoe::MoeOptions* o, megamoe::detail::EpArgs* a) {
+  MEGAMOE_RETURN_IF_ERROR(prepare_call(config, x, stream, p, o));
   if (g == nullptr) return megamoe::invalid_argument("EP group: null");
+  if (x.device != megamoe::DeviceType::kCUDA)
+    return megamoe::unimplemented("EP: expert parallelism runs CUDA tensors only");
   *a = {g->local, g->peers, g->bytes, g->max_tokens, g->ep_scratch.data, g->ep_scratch.bytes, g->epoch};
   return Status::Ok();
 }
@@ -186,10 +191,7 @@ int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* gro
     megamoe::MoeProblem p;
     megamoe::MoeOptions o;
     megamoe::detail::EpArgs a;
-    Status st = prepare_call(config, in.x, stream, &p, &o);
-    if (st.ok()) st = ep_args_of(group, &a);
-    if (st.ok() && in.x.device != megamoe::DeviceType::kCUDA)
-      st = megamoe::unimplemented("EP: expert parallelism runs CUDA tensors only");
+    const Status st = prepare_ep_call(config, group, in.x, stream, &p, &o, &a);
     if (!st.ok()) return fail(st);
     return fail(megamoe::detail::cuda_ep_forward(p, o, in, view_of(y), a, buffers_of(saved, scratch)));
   });
@@ -207,10 +209,7 @@ int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* gr
     megamoe::MoeProblem p;
     megamoe::MoeOptions o;
     megamoe::detail::EpArgs a;
-    Status st = prepare_call(config, in.x, stream, &p, &o);
-    if (st.ok()) st = ep_args_of(group, &a);
-    if (st.ok() && in.x.device != megamoe::DeviceType::kCUDA)
-      st = megamoe::unimplemented("EP: expert parallelism runs CUDA tensors only");
+    const Status st = prepare_ep_call(config, group, in.x, stream, &p, &o, &a);
     if (!st.ok()) return fail(st);
     return fail(megamoe::detail::cuda_ep_backward(p, o, in, view_of(dy), g, a, buffers_of(saved, scratch)));
   });

@@ -114,21 +114,10 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   // xdy_pool now takes dy (x is gathered again for dW13 at the end).
   MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
 
-  // ga = dy @ w2[e]; fused: d topk_w partials, dz, topk_w * a.
-  GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, in.w2, E * H, I, I);
-  gd.topk_weights = in.topk_weights;
-  gd.z_pool = c.pv.z_pool;
-  gd.out0 = c.dz_pool;
-  gd.out1 = c.a_pool;
-  gd.dw_partial = c.dw_partial;
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
-                                                T * d.top_k, c.pv.plan.error_key, grads.d_topk_weights, call.stream));
-
-  // dx slots = dz @ w13[e], then the fixed-order sum.
-  GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, in.w13, E * 2 * I, H, H);
-  gx.out0 = c.slots;
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
+  // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
+  MEGAMOE_RETURN_IF_ERROR(
+      detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
+  // dx: the fixed-order sum of its slots.
   MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
                                         call.errors, grads.dx, call.stream));
 

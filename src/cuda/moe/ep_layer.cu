@@ -252,7 +252,7 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
   MEGAMOE_RETURN_IF_ERROR(check_backward(call, ep, in, tokens, buffers, ep_saved));
   if (grads.dw2 == nullptr || (dy == nullptr && tokens > 0)) return invalid_argument("EP layer: dw2 or dy is null");
   const LayerDims& d = call.dims;
-  const int64_t H = d.hidden, I = d.intermediate, L = d.num_experts;
+  const int64_t H = d.hidden, I = d.intermediate;
   const EpScratch s = ep_scratch(ep);
   const EpSaved kept = ep_saved_view(ep, ep_saved);
   detail::Carved c;
@@ -264,18 +264,7 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
 
   // As layer_backward, over the virtual tokens: ga = dy @ w2[e]; fused d topk_w
   // partials, dz, topk_w * a; then dx slots = dz @ w13[e]; dW2 = dy^T (w a).
-  GroupedGemmArgs gd = detail::pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, in.w2, L * H, I, I);
-  gd.topk_weights = kept.weights;
-  gd.z_pool = c.pv.z_pool;
-  gd.out0 = c.dz_pool;
-  gd.out1 = c.a_pool;
-  gd.dw_partial = c.dw_partial;
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
-                                                d.tokens * d.top_k, c.pv.plan.error_key, s.route_values, call.stream));
-  GroupedGemmArgs gx = detail::pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, in.w13, L * 2 * I, H, H);
-  gx.out0 = c.slots;
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms));
   // dx and d topk_w go back before dW2 runs: the sources' wait is not held up by it.
   CombineArgs ca;
   ca.outputs = c.slots, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;

@@ -1,5 +1,7 @@
 #include "cuda/moe/layer_parts.h"
 
+#include "cuda/moe/layer_kernels.h"
+
 namespace megamoe::cuda::detail {
 
 namespace {
@@ -97,6 +99,24 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
   g.accumulate = grads.accumulate;
   g.errors = call.errors;
   return g;
+}
+
+Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
+                       const float* topk_weights, float* d_topk, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
+  GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
+  gd.topk_weights = topk_weights;
+  gd.z_pool = c.pv.z_pool;
+  gd.out0 = c.dz_pool;
+  gd.out1 = c.a_pool;
+  gd.dw_partial = c.dw_partial;
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
+                                                d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
+  GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * 2 * I, H, H);
+  gx.out0 = c.slots;
+  return launch_grouped_gemm(gx, sms, call.stream);
 }
 
 }  // namespace megamoe::cuda::detail

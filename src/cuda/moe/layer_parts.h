@@ -36,6 +36,13 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n);
 
+// The backward's data-gradient GEMMs over a pool holding dy: ga = dy @ w2[e]
+// with its fused epilogue (d topk_w partials, dz into dz_pool, topk_w * a into
+// a_pool), the partials reduced into d_topk [num_tokens * top_k], then the dx
+// slots = dz @ w13[e]. w2 / w13: the plan's experts' weights.
+Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
+                       const float* topk_weights, float* d_topk, int sms);
+
 // dW[e] = A_pool^T @ B_pool over each expert's rows (K-grouped).
 GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,
                             int64_t m, const void* b, int64_t n, void* out, const LayerGrads& grads);
