@@ -73,10 +73,12 @@ def a2a_forward(x, idx, w, w13, w2, group, expert_fn):
     return x.new_zeros(T, H).scatter_add(0, (routes // k)[:, None].expand(-1, H), scaled)
 
 
-def _median_ms(fn, warmup, iters):
+def _median_ms(fn, warmup, iters, setup=None):
     import torch.distributed as dist
     times = []
     for i in range(warmup + iters):
+        if setup is not None:
+            setup()
         dist.barrier()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -104,6 +106,9 @@ def _rank_main(rank, world, args, init_file, out_file):
         p = PRESETS[args.preset]
         H, I, E, k = p["hidden_size"], p["moe_intermediate_size"], p["num_experts"], p["num_experts_per_tok"]
         T, L, dev = args.tokens, E // world, torch.device("cuda", rank)
+        if L < k:
+            raise SystemExit(f"ep_compare: {L} experts per GPU < top_k {k}: the no-communication baseline needs "
+                             f"k distinct local experts")
         gen = torch.Generator(device=dev).manual_seed(1000 + rank)
         x = (torch.rand(T, H, generator=gen, device=dev) * 2 - 1).to(torch.bfloat16)
         idx, w = _routing(T, E, k, args.routing == "skewed", gen, dev)
@@ -112,10 +117,15 @@ def _rank_main(rank, world, args, init_file, out_file):
         w2 = (torch.randn(L, H, I, generator=gen, device=dev) * I ** -0.5).to(torch.bfloat16)
         dy = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
         expert_fn = torch.compile(functools.partial(grouped_mm_forward, gmm=torch._grouped_mm, align=8), dynamic=True)
-        leaves = lambda: [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]  # noqa: E731
+        sets = {}
+
+        def prepare(name):  # fresh leaves, outside the timed region
+            sets[name] = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
 
         def run(name):
-            xa, wa, w13a, w2a = leaves()
+            if name not in sets:
+                prepare(name)
+            xa, wa, w13a, w2a = sets.pop(name)
             if name == "megamoe_ep":
                 y = megamoe.moe(xa, idx, wa, w13a, w2a, group=dist.group.WORLD, max_tokens=T)
             elif name == "a2a_gmm_compile":
@@ -130,7 +140,7 @@ def _rank_main(rank, world, args, init_file, out_file):
         results = {"preset": args.preset, "tokens_per_rank": T, "world": world, "routing": args.routing,
                    "y_rel_err_vs_a2a": err}
         for name in ("megamoe_ep", "a2a_gmm_compile", "no_comm"):
-            results[name + "_ms"] = _median_ms(lambda: run(name), args.warmup, args.iters)
+            results[name + "_ms"] = _median_ms(lambda: run(name), args.warmup, args.iters, lambda: prepare(name))
         megamoe.check()
         if rank == 0:
             Path(out_file).write_text(json.dumps(results))

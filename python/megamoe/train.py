@@ -188,7 +188,7 @@ def load_config(path: str) -> TrainConfig:
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.ep > 1 and torch.cuda.is_available():  # torchrun: this process's GPU
+    if cfg.ep > 1 and cfg.device != "cpu" and torch.cuda.is_available():  # torchrun: this process's GPU
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -121,7 +121,7 @@ Status combine_signal(const PeerView& v, const DispatchLayout& layout, const int
 Status combine_route_values(const DispatchLayout& layout, const void* buffer, const int32_t* topk_idx,
                             int64_t tokens, int num_experts, const unsigned long long* error_key, float* out,
                             cudaStream_t stream) {
-  if (buffer == nullptr || topk_idx == nullptr || error_key == nullptr || out == nullptr)
+  if (buffer == nullptr || error_key == nullptr || (tokens > 0 && (topk_idx == nullptr || out == nullptr)))
     return invalid_argument("combine: a pointer is null");
   if (tokens < 0 || tokens > layout.max_tokens)
     return invalid_argument("combine: " + std::to_string(tokens) + " tokens, the layout holds " +

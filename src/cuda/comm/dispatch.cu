@@ -71,7 +71,8 @@ Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const Disp
     return invalid_argument("dispatch: top_k = " + std::to_string(layout.top_k) + " is not in [1, 32]");
   if (a.experts_per_rank < 1) return invalid_argument("dispatch: experts_per_rank must be >= 1");
   if (a.epoch == 0) return invalid_argument("dispatch: epoch 0 is the flags' initial value; start at 1");
-  if (a.x == nullptr || a.topk_idx == nullptr || a.blocks_done == nullptr)
+  // A rank without tokens still raises its flags (its empty tensors may be null).
+  if ((a.tokens > 0 && (a.x == nullptr || a.topk_idx == nullptr)) || a.blocks_done == nullptr)
     return invalid_argument("dispatch: a pointer is null");
   // Rows move as 16-byte pieces.
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0 || reinterpret_cast<uintptr_t>(v.local) % 16 != 0)

@@ -98,7 +98,8 @@ Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank
                       cudaStream_t stream, const int64_t* source_counts) {
   if (layout.slot_bytes() % 16 != 0 || layout.top_k < 1)
     return invalid_argument("EP gather: hidden must be a multiple of 8 and top_k >= 1");
-  if (buffer == nullptr || own_x == nullptr || row_src == nullptr || pool_rows == nullptr || pool == nullptr)
+  // own_x may be null on a rank without tokens: no pool row then comes from it.
+  if (buffer == nullptr || row_src == nullptr || pool_rows == nullptr || pool == nullptr)
     return invalid_argument("EP gather: a pointer is null");
   if (reinterpret_cast<uintptr_t>(own_x) % 16 != 0 || reinterpret_cast<uintptr_t>(pool) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(buffer) % 16 != 0)
