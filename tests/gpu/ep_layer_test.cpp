@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -288,6 +289,98 @@ TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1}, true);
+}
+
+TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on the 8-GPU machine
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 8) GTEST_SKIP() << "needs 8 GPUs, " << n << " visible";
+  expect_ep_equals_one_gpu(EpCase{"P8_eight_gpus", 8, 256, 256, 16, 4, Routing::kUniform},
+                           {0, 1, 2, 3, 4, 5, 6, 7}, true);
+}
+
+// Ranks 0..P-2 call the forward; rank P-1 never comes. Every present rank's
+// call must end (bounded waits), the error must name the missing rank, y must
+// be NaN rather than stale, and the context must stay usable.
+void expect_missing_rank_is_named(const std::vector<int>& devices) {
+  const int P = static_cast<int>(devices.size()), E = 2 * P, L = 2, k = 2;
+  const int64_t H = 128, I = 128, T = 64;
+  cuda::DispatchLayout layout;
+  layout.world = P, layout.max_tokens = T, layout.hidden = H, layout.top_k = k;
+  std::unique_ptr<cuda::PeerGroup> group;
+  MEGAMOE_ASSERT_OK(cuda::make_one_process_group(devices, layout.bytes(), &group));
+  MoeProblem p;
+  p.num_tokens = T, p.hidden = H, p.intermediate = I, p.num_experts = E, p.top_k = k, p.max_tokens_per_rank = T;
+  LayerSpec spec;
+  spec.problem = p, spec.seed = 5;
+  const LayerData data = make_layer_data(spec);
+  struct Rank {
+    std::unique_ptr<DeviceBytes> scratch, ep_scratch;
+    std::unique_ptr<DeviceLayer> dev;
+    cuda::LayerCall call;
+    MoeBuffers buffers;
+  };
+  std::vector<Rank> ranks(static_cast<size_t>(P - 1));
+  cuda::EpGroup probe;
+  probe.layout = layout, probe.num_experts = E;
+  const LayerDims d = cuda::ep_owner_dims(probe, I);
+  ScratchLayout sl;
+  MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl));
+  const uint64_t timeout = under_cuda_tool() ? 5'000'000'000ull : 100'000'000ull;  // 0.1 s
+  for (int r = 0; r < P - 1; ++r) {
+    Rank& R = ranks[static_cast<size_t>(r)];
+    ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+    R.scratch = std::make_unique<DeviceBytes>(sl.bytes);
+    R.ep_scratch = std::make_unique<DeviceBytes>(cuda::ep_scratch_layout(layout).bytes);
+    R.dev = std::make_unique<DeviceLayer>();
+    MEGAMOE_ASSERT_OK(make_device_layer(p, data, DType::kF32, group->device(r), R.dev.get()));
+    MEGAMOE_ASSERT_OK(R.dev->y.fill_bytes(0));  // finite: a NaN afterwards is the call's doing
+    R.buffers.scratch = R.scratch->p, R.buffers.scratch_bytes = sl.bytes;
+    R.call.errors.timeout_ns = timeout;
+    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call));
+  }
+  for (int phase = 0; phase < 3; ++phase)
+    for (int r = 0; r < P - 1; ++r) {
+      Rank& R = ranks[static_cast<size_t>(r)];
+      ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+      cuda::EpGroup ep;
+      ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = 1, ep.scratch = R.ep_scratch->p;
+      const cuda::LayerInputs in{R.dev->x.view().data, static_cast<const int32_t*>(R.dev->topk_idx.view().data),
+                                 static_cast<const float*>(R.dev->topk_weights.view().data),
+                                 static_cast<const uint16_t*>(R.dev->w13.view().data) + int64_t{r} * L * 2 * I * H,
+                                 static_cast<const uint16_t*>(R.dev->w2.view().data) + int64_t{r} * L * H * I};
+      if (phase == 0) MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, ep, in, T));
+      if (phase == 1) MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, T, R.buffers));
+      if (phase == 2) MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, T, R.dev->y.view().data));
+    }
+  const std::string missing = "rank " + std::to_string(P - 1) + " never delivered its part";
+  for (int r = 0; r < P - 1; ++r) {
+    ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
+    const Status st = check_device_errors(group->device(r), nullptr);
+    if (r == 0 || devices[static_cast<size_t>(r)] != devices[0]) {  // one report per device: the first wins
+      EXPECT_EQ(st.code(), StatusCode::kTimeout) << "rank " << r << ": " << st.to_string();
+      EXPECT_NE(st.message().find(missing), std::string::npos) << st.message();
+    }
+    HostTensor y(DType::kBF16, {T, H});
+    MEGAMOE_ASSERT_OK(ranks[static_cast<size_t>(r)].dev->y.download(&y));
+    int64_t finite = 0;
+    for (int64_t i = 0; i < T * H; ++i) finite += std::isfinite(y.get(i));
+    EXPECT_EQ(finite, 0) << "rank " << r << ": y must be NaN when a rank never came";
+  }
+  int32_t probe_word = 0;  // the context is still usable
+  EXPECT_EQ(cudaMemcpy(&probe_word, ranks[0].ep_scratch->p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+TEST(EpLayerFaults, EightRanksOnOneGpuNameTheOneThatNeverCame) {  // issue 13's fault test, on one GPU
+  MEGAMOE_REQUIRE_GPU();
+  expect_missing_rank_is_named(std::vector<int>(8, 0));
+}
+
+TEST(MultiGpu, AMissingRankIsNamedAcrossGpus) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
+  std::vector<int> devices;
+  for (int d = 0; d < std::min(n, 8); ++d) devices.push_back(d);
+  expect_missing_rank_is_named(devices);
 }
 
 // No GPU needed: every phase checks its call before it launches anything.
