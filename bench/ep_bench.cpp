@@ -22,6 +22,7 @@
 #include "cuda/comm/peer_memory.h"
 #include "cuda/moe/cuda_layer.h"
 #include "cuda/moe/ep_layer.h"
+#include "bench_options.h"
 #include "megamoe/presets.h"
 #include "testing/device_layer.h"
 #include "testing/random_layer.h"
@@ -70,17 +71,11 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"world", "2"},
                                             {"routing", "uniform"},      {"iters", "20"},      {"warmup", "3"},
                                             {"json", ""}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) {
-      std::fprintf(stderr,
-                   "usage: megamoe-ep-bench [--preset %s] [--tokens N per rank] [--world P] "
-                   "[--routing uniform|skewed] [--iters N] [--warmup N] [--json PATH]\n",
-                   preset_names().c_str());
-      return 2;
-    }
-    opt[a.substr(2)] = argv[i + 1];
-  }
+  if (!bench::parse_options(argc, argv, &opt,
+                            "megamoe-ep-bench [--preset " + preset_names() +
+                                "] [--tokens N per rank] [--world P] [--routing uniform|skewed] [--iters N] "
+                                "[--warmup N] [--json PATH]"))
+    return 2;
   const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
   const int P = std::atoi(opt["world"].c_str()), iters = std::atoi(opt["iters"].c_str()),

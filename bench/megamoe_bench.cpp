@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "bench_options.h"
 #include "megamoe/presets.h"
 #include "testing/device_layer.h"
 
@@ -29,17 +30,11 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
                                             {"iters", "20"},            {"warmup", "3"},      {"json", ""},
                                             {"wgrad", "f32"}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a.rfind("--", 0) != 0 || !opt.count(a.substr(2))) {
-      std::fprintf(stderr,
-                   "usage: megamoe-bench [--preset %s] [--tokens N] "
-                   "[--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] [--json PATH]\n",
-                   preset_names().c_str());
-      return 2;
-    }
-    opt[a.substr(2)] = argv[i + 1];
-  }
+  if (!bench::parse_options(argc, argv, &opt,
+                            "megamoe-bench [--preset " + preset_names() +
+                                "] [--tokens N] [--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] "
+                                "[--json PATH]"))
+    return 2;
   const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
   MoeOptions o;
