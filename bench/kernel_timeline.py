@@ -54,6 +54,40 @@ def main() -> int:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    # The same step timed three ways, to split host cost from GPU cost:
+    # back to back (the host runs ahead, as in training), each after a sync (the
+    # GPU starts idle: host launch latency counts), and the host's own time to
+    # queue one step (perf_counter around step() without a sync).
+    import statistics
+    import time
+
+    def event_ms(sync_each: bool, n: int = 20) -> float:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        times, host = [], []
+        for i in range(n):
+            if sync_each:
+                torch.cuda.synchronize()
+                a = torch.cuda.Event(enable_timing=True)
+                a.record()
+                h0 = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - h0) * 1e3)
+                ev[i + 1].record()
+                ev[i + 1].synchronize()
+                times.append(a.elapsed_time(ev[i + 1]))
+            else:
+                ev[i].record()
+                step()
+        if not sync_each:
+            ev[n].record()
+            torch.cuda.synchronize()
+            times = [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+        return statistics.median(times), (statistics.median(host) if host else float("nan"))
+
+    b2b, _ = event_ms(False)
+    synced, host = event_ms(True)
+    print(f"CUDA events, median of 20: back to back {b2b:.3f} ms   synced each {synced:.3f} ms   "
+          f"host time to queue one step {host:.3f} ms")
     marks = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
@@ -85,6 +119,7 @@ def main() -> int:
     print(f"span {span:.1f} us   kernel sum {busy:.1f} us   gaps {gaps:.1f} us ({100 * gaps / span:.1f}% of span)")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "tokens": T, "span_us": span,
+                                               "back_to_back_ms": b2b, "synced_ms": synced, "host_ms": host,
                                                "kernel_sum_us": busy, "gaps_us": gaps, "kernels": rows}, indent=1))
     return 0
 

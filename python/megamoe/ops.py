@@ -218,9 +218,14 @@ def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_weights, w13, w2, precision, save_state, validate = inputs
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, output[1])
     ctx.precision, ctx.validate = precision, validate
+    # No zero-filled gradient for `saved` (uint8, hundreds of MB): autograd
+    # would write one on every backward (measured: 134 us of 7.7 ms at 30B).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dsaved):
+    if dy is None:  # y did not reach the loss: nothing flows back
+        return None, None, None, None, None, None, None, None
     x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
     dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, saved, ctx.precision,
                                  ctx.validate)

@@ -341,3 +341,23 @@ def test_cuda_inference_saves_nothing():
         before = torch.cuda.memory_allocated()
         y = megamoe.moe(x, idx, w, w13, w2)
         assert torch.cuda.memory_allocated() - before == y.numel() * y.element_size()
+
+
+def test_backward_writes_no_gradient_for_the_saved_buffer():
+    # The forward's uint8 `saved` output has no gradient; autograd must not
+    # zero-fill one of its size on every backward (134 us at Qwen3-30B-A3B).
+    x, idx, w, w13, w2 = random_inputs(dtype=torch.bfloat16)
+    y = megamoe.moe(x, idx, w, w13, w2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y.sum().backward()
+    # (sum's backward fills its ones with aten::fill_; a materialised gradient comes from aten::zeros.)
+    zeros = [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like", "aten::zero_")]
+    assert zeros == [], zeros
+    assert x.grad is not None and w13.grad is not None
+
+
+def test_forward_output_unused_in_the_loss_gives_no_gradients():
+    x, idx, w, w13, w2 = random_inputs()
+    y = megamoe.moe(x, idx, w, w13, w2)
+    (x.sum() + 0 * y.detach().sum()).backward()  # y itself is not on the loss's graph
+    assert w13.grad is None and w.grad is None
