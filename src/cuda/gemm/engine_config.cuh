@@ -87,8 +87,12 @@ constexpr uint32_t kernel_id() {
 
 struct KernelParams {
   GroupedGemmArgs args;
-  int n_tiles;  // output column tiles
-  int m_tiles;  // kWeightGrad: row tiles of dW[e]
+  int n_tiles;   // output column tiles
+  int m_tiles;   // kWeightGrad: row tiles of dW[e]
+  int k_blocks;  // M-grouped modes: k / elements per k-block (64 bf16, 128 e4m3: one 128-byte box row)
 };
+
+// FP8: elements per k-block (one 128-byte swizzle row of e4m3).
+inline constexpr int kBlockKFp8 = 128;
 
 }  // namespace megamoe::cuda::engine

@@ -35,12 +35,13 @@ using namespace engine;
 // kPair: the two CTAs of a cluster compute tiles with the same A rows (n and
 // n + 1), so CTA `rank` loads A box `rank` only and multicasts it to both.
 // kBT: kDownGrad / kGateUpGrad with B transposed, K-major (GroupedGemmArgs::b_k_major).
-template <GemmMode M, bool kPair, bool kBT>
+// kFp8: e4m3 operands, 128 elements per k-block (the same 128-byte box rows).
+template <GemmMode M, bool kPair, bool kBT, bool kFp8>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
                                            uint8_t* smem_b, uint64_t* full, uint32_t rank) {
   using T = ModeTraits<M>;
-  const int k0 = tile.k_begin + kb * kBlockK;
+  const int k0 = tile.k_begin + kb * (kFp8 ? kBlockKFp8 : kBlockK);
   const int e = tile.expert;
   const int I = static_cast<int>(p.args.intermediate);
   for (int box = 0; box < 2; ++box) {
@@ -72,14 +73,77 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
+// The FP8 main loop of one tile (kGateUp, kDown): per 128-long k-block, each
+// 64-row half is summed by wgmma into tmp (scale_d = 0 starts it afresh),
+// retired, and added to acc[h] times a_scale(row) * b_scale(column block).
+// The halves go one after the other (acc, 128 registers, plus one 64-register
+// tmp fit the consumer's 232); the other consumer's main loop is not running
+// meanwhile (main loops take turns), so the retire and the promotion leave the
+// tensor cores idle for a while: the simple, correct form first.
+// false: a wait gave up (reported); the stage's wgmmas are retired.
+template <GemmMode M, int S, typename Release>
+__device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
+                                              const StageRing<S>& ring, const BoundedWait& waits,
+                                              PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
+  static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown, "FP8: the K-major, M-grouped forward modes");
+  static_assert(kAccPerThread + 64 + 32 <= kConsumerRegs, "FP8's promotion temporary does not fit the consumer");
+  const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns
+  // This thread's accumulator rows (acc_row): r and r + 8 of each half.
+  const int r0 = tile.m * kBlockM + acc_row(0, 0);
+  const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
+  // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
+  // up columns sit in two blocks, kDown's 128 columns in one.
+  int b_block0, b_block1;
+  if constexpr (M == GemmMode::kGateUp) {
+    const int I = static_cast<int>(p.args.intermediate);
+    b_block0 = (tile.expert * 2 * I + tile.n * 64) / 128;
+    b_block1 = (tile.expert * 2 * I + I + tile.n * 64) / 128;
+  } else {
+    b_block0 = b_block1 = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128;
+  }
+  const float* sb0 = p.args.b_scales + static_cast<int64_t>(b_block0) * kbs;
+  const float* sb1 = p.args.b_scales + static_cast<int64_t>(b_block1) * kbs;
+  float tmp[64];
+  for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+    // Scales first: their loads fly while the stage is waited for.
+    const float b0 = __ldg(sb0 + kb), b1 = __ldg(sb1 + kb);
+    float a_s[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
+    if (!ring.wait_full(waits, ps)) return false;
+    const uint8_t* sa = smem + ps.stage() * kStageBytes;
+    const uint8_t* sb = sa + kTileBytesA;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      fence_accumulators(tmp);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
+        const uint64_t da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
+        const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+        wgmma_m64n128k32_e4m3(tmp, da, db, kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(tmp);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * (i < 32 ? b0 : b1));
+    }
+    release(ps.stage());
+  }
+  return true;
+}
+
 // kPair: launched as clusters of two CTAs sharing A (see load_stage); every
 // stage's empty barrier then also counts the peer consumer's warps, because
 // the peer's multicast writes into this CTA's stage. kHoldRows: the producer
 // holds each tile until its rows are in (GroupedGemmArgs::rows_ready); its own
 // instantiation, because the check in the producer's tile loop cost the
 // M-grouped modes 3-8% even when never taken (Nsight Compute, session 18).
-// kBT: as load_stage.
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT>
+// kBT, kFp8: as load_stage.
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -145,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint64_t* full = &ring.full[ps.stage()];
           mbar_arrive_expect_tx(full, kStageBytes);
           uint8_t* stage = smem + ps.stage() * kStageBytes;
-          load_stage<M, kPair, kBT>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+          load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
         }
       }
       // Stay until both CTAs' consumers have released every stage: the
@@ -199,49 +263,56 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-    for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-      if (!ring.wait_full(waits, ps)) {
-        wgmma_wait<0>();  // retire the previous k-block's group before leaving
-        bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
+    if constexpr (kFp8) {
+      if (!fp8_main_loop<M>(p, tile, smem, ring, waits, ps, acc, release)) {
+        bulk_wait_group<0>();
         return;
       }
-      const uint8_t* sa = smem + ps.stage() * kStageBytes;
-      const uint8_t* sb = sa + kTileBytesA;
-      // Between here and the wait<0> after the loop, nothing but wgmma touches
-      // the accumulators (the fences are compiler-only: no instruction).
+    } else {
+      for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+        if (!ring.wait_full(waits, ps)) {
+          wgmma_wait<0>();  // retire the previous k-block's group before leaving
+          bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
+          return;
+        }
+        const uint8_t* sa = smem + ps.stage() * kStageBytes;
+        const uint8_t* sb = sa + kTileBytesA;
+        // Between here and the wait<0> after the loop, nothing but wgmma touches
+        // the accumulators (the fences are compiler-only: no instruction).
+        fence_accumulators(acc[0]);
+        fence_accumulators(acc[1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          uint64_t db;
+          if constexpr (kBMn) {
+            db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
+          } else {
+            db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // A box h holds tile rows [64h, 64h + 64)
+            uint64_t da;
+            if constexpr (Tr::kAMnMajor) {
+              da = smem_desc_sw128(sa + h * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
+            } else {
+              da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
+            }
+            wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, kBMn ? 1 : 0>(acc[h], da, db, 1);
+          }
+        }
+        wgmma_commit();
+        // Keep this k-block's group in flight while the next one is waited for
+        // and issued: retiring down to one pending group proves the previous
+        // k-block's group done, so its stage (not this one) goes back.
+        wgmma_wait<1>();
+        if (kb > 0) release(ps.previous_stage());
+      }
+      wgmma_wait<0>();
       fence_accumulators(acc[0]);
       fence_accumulators(acc[1]);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        uint64_t db;
-        if constexpr (kBMn) {
-          db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
-        } else {
-          db = smem_desc_sw128(sb + kk * 32, 0, 1024);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // A box h holds tile rows [64h, 64h + 64)
-          uint64_t da;
-          if constexpr (Tr::kAMnMajor) {
-            da = smem_desc_sw128(sa + h * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024);
-          } else {
-            da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
-          }
-          wgmma_m64n128k16_bf16<Tr::kAMnMajor ? 1 : 0, kBMn ? 1 : 0>(acc[h], da, db, 1);
-        }
-      }
-      wgmma_commit();
-      // Keep this k-block's group in flight while the next one is waited for
-      // and issued: retiring down to one pending group proves the previous
-      // k-block's group done, so its stage (not this one) goes back.
-      wgmma_wait<1>();
-      if (kb > 0) release(ps.previous_stage());
+      if (tile.k_blocks > 0) release(ps.previous_stage());
     }
-    wgmma_wait<0>();
-    fence_accumulators(acc[0]);
-    fence_accumulators(acc[1]);
-    if (tile.k_blocks > 0) release(ps.previous_stage());
     if ((threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!Epilogue<M>{}(p, tile, acc, ctx)) {
       bulk_wait_group<0>();
@@ -258,12 +329,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks || Tr::kStaged) bulk_wait_group<0>();
 }
 
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false>
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
   using Tr = ModeTraits<M>;
-  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -326,16 +397,31 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     return internal_error("grouped GEMM: b_k_major expects B as [E * n, k]");
   if (args.rows_ready != nullptr && args.ready_value == 0)
     return internal_error("grouped GEMM: rows_ready with ready_value 0 would wait for nothing");
+  if (args.fp8) {
+    if (args.mode != GemmMode::kGateUp && args.mode != GemmMode::kDown)
+      return unimplemented("grouped GEMM: FP8 is built for kGateUp and kDown only so far");
+    if (args.rows_ready != nullptr) return unimplemented("grouped GEMM: FP8 with rows_ready is not instantiated");
+    if (args.k % kBlockKFp8 != 0) return internal_error("grouped GEMM: FP8 needs K a multiple of 128");
+    if (args.a_scales == nullptr || args.b_scales == nullptr)
+      return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
+    if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
+  }
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / 64 : args.n / kBlockN);
   p.m_tiles = static_cast<int>(args.m / kBlockM);
+  p.k_blocks = static_cast<int>(args.k / (args.fp8 ? kBlockKFp8 : kBlockK));
   // Every operand is loaded as 64 x 64 boxes; the mode decides what the two
   // box dimensions mean (K-major: rows x K, MN-major: K x MN).
   CUtensorMap map_a, map_b;
-  MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
-  MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+  if (args.fp8) {  // e4m3: boxes of 64 rows x 128 elements, the same 128-byte rows
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.a, args.a_rows, args.a_cols, &map_a));
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.b, args.b_rows, args.b_cols, &map_b));
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+  }
   // kDownGrad only: it reads the saved z pool [C, 2I] and writes dz [C, 2I]
   // and wa [C, I] by TMA (the other modes never touch these three maps).
   CUtensorMap map_z = map_a, map_dz = map_a, map_wa = map_a;
@@ -351,6 +437,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   const bool pair = args.pair_ctas && p.n_tiles % 2 == 0 && num_sms >= 2;
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
+    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
+      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
     if constexpr (ModeTraits<m>::kPairs) {
       if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }

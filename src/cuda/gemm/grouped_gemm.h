@@ -61,6 +61,16 @@ struct GroupedGemmArgs {
   // read by default. The same products in the same order (bitwise the same
   // result); the path FP8 needs, whose wgmma reads K-major operands only.
   bool b_k_major = false;
+  // FP8 (kGateUp and kDown): a and b are e4m3 (u8), both K-major as in bf16,
+  // with fp32 block scales (cuda/fp8/quantize.h writes both layouts):
+  //   a_scales [a_rows, k / 128]   1 x 128 along K, one per pool row and k-block;
+  //   b_scales [b_rows / 128, k / 128]   128 x 128 blocks of b as [E * rows, k].
+  // Each 128-long k-block is summed by wgmma into a temporary, then added to
+  // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
+  // every 128 K). K must be a multiple of 128. Epilogues are bf16's.
+  bool fp8 = false;
+  const float* a_scales = nullptr;
+  const float* b_scales = nullptr;
   // Epilogue operands (by mode).
   const float* topk_weights = nullptr;  // [T, k]
   const void* z_pool = nullptr;          // kDownGrad input [capacity, 2I]

@@ -57,7 +57,7 @@ struct TileScheduler {
       tile.n = t % p.n_tiles;
       tile.expert = p.args.plan.tile_expert[tile.m];
       tile.k_begin = 0;
-      tile.k_blocks = static_cast<int>(p.args.k / kBlockK);
+      tile.k_blocks = p.k_blocks;
       const int end = p.args.plan.expert_offset[tile.expert] + p.args.plan.expert_rows[tile.expert];
       tile.lower_half_used = end - tile.m * kBlockM > 64;
     }
