@@ -1,0 +1,216 @@
+// megamoe-gemm-bench: the forward's two grouped GEMMs on their own, bf16 against
+// FP8 (e4m3, the recipe's block scales), with the quantize passes that feed
+// FP8 today, at a preset's shape with uniform random routing. CUDA-event
+// medians after warm-up; TFLOP/s counts real routes only (2 * routes * N * K).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bench_options.h"
+#include "cuda/common/device_errors.h"
+#include "cuda/fp8/quantize.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/moe/device_plan.h"
+#include "megamoe/presets.h"
+
+namespace {
+
+using namespace megamoe;
+
+#define CHECK_CUDA(x)                                                                       \
+  do {                                                                                      \
+    const cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "megamoe-gemm-bench: %s: %s\n", #x, cudaGetErrorString(e_));   \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+#define CHECK_OK(x)                                                                    \
+  do {                                                                                 \
+    const Status s_ = (x);                                                             \
+    if (!s_.ok()) {                                                                    \
+      std::fprintf(stderr, "megamoe-gemm-bench: %s: %s\n", #x, s_.to_string().c_str()); \
+      std::exit(2);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+template <typename T>
+T* dev_alloc(size_t n) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, n * sizeof(T)));
+  return p;
+}
+
+// Random bf16 values in [-scale, scale) (bits built on the host, one upload).
+uint16_t* random_bf16(size_t n, float scale, uint32_t seed) {
+  std::vector<uint16_t> h(n);
+  uint32_t s = seed;
+  for (size_t i = 0; i < n; ++i) {
+    s = s * 1664525u + 1013904223u;
+    const float v = scale * (static_cast<float>(s >> 8) / 8388608.0f - 1.0f);
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    h[i] = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+  auto* d = dev_alloc<uint16_t>(n);
+  CHECK_CUDA(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+double median_ms(const std::function<void()>& fn, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(a);
+    fn();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"iters", "20"},
+                                            {"warmup", "3"}};
+  if (!bench::parse_options(argc, argv, &opt,
+                            "megamoe-gemm-bench [--preset " + preset_names() + "] [--tokens N] [--iters N] [--warmup N]"))
+    return 2;
+  const ModelPreset* shape = find_preset(opt["preset"]);
+  if (shape == nullptr) {
+    std::fprintf(stderr, "megamoe-gemm-bench: unknown preset '%s'\n", opt["preset"].c_str());
+    return 2;
+  }
+  const int64_t T = std::atoll(opt["tokens"].c_str()), H = shape->hidden, I = shape->intermediate;
+  const int E = shape->num_experts, k = shape->top_k;
+  const int iters = std::atoi(opt["iters"].c_str()), warmup = std::atoi(opt["warmup"].c_str());
+  const int64_t C = (T * k + static_cast<int64_t>(E) * 127 + 127) / 128 * 128;
+
+  // Uniform routing: k distinct experts per token.
+  std::vector<int32_t> idx(static_cast<size_t>(T * k));
+  uint32_t s = 12345;
+  for (int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      int32_t e;
+      bool again;
+      do {
+        s = s * 1664525u + 1013904223u;
+        e = static_cast<int32_t>((s >> 8) % static_cast<uint32_t>(E));
+        again = false;
+        for (int q = 0; q < j; ++q) again |= idx[t * k + q] == e;
+      } while (again);
+      idx[t * k + j] = e;
+    }
+  auto* d_idx = dev_alloc<int32_t>(idx.size());
+  CHECK_CUDA(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<float> w(static_cast<size_t>(T * k), 1.0f / static_cast<float>(k));
+  auto* d_w = dev_alloc<float>(w.size());
+  CHECK_CUDA(cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+
+  cuda::DevicePlanBuffers pb;
+  pb.error_key = reinterpret_cast<unsigned long long*>(dev_alloc<int32_t>(4));
+  pb.chunk_counts = dev_alloc<int32_t>(static_cast<size_t>(E) * (T / 256 + 1));
+  pb.expert_rows = dev_alloc<int32_t>(E);
+  pb.expert_offset = dev_alloc<int32_t>(E + 1);
+  pb.tile_expert = dev_alloc<int32_t>(C / 128);
+  pb.route_row = dev_alloc<int32_t>(T * k);
+  pb.row_src = dev_alloc<int32_t>(C);
+  CHECK_OK(cuda::build_device_plan(d_idx, T, k, E, pb, nullptr));
+  cuda::DevicePlan plan;
+  plan.pool_rows = pb.expert_offset + E;
+  plan.tile_expert = pb.tile_expert, plan.expert_offset = pb.expert_offset, plan.expert_rows = pb.expert_rows;
+  plan.row_src = pb.row_src;
+  plan.num_tokens = static_cast<int>(T), plan.top_k = k, plan.num_experts = E;
+
+  // Operands (bf16) and their FP8 forms.
+  uint16_t* x = random_bf16(C * H, 1.0f, 1);
+  uint16_t* w13 = random_bf16(E * 2 * I * H, 0.03f, 2);
+  uint16_t* a = random_bf16(C * I, 1.0f, 3);
+  uint16_t* w2 = random_bf16(E * H * I, 0.03f, 4);
+  auto* qx = dev_alloc<uint8_t>(C * H);
+  auto* sx = dev_alloc<float>(C * H / 128);
+  auto* qw13 = dev_alloc<uint8_t>(E * 2 * I * H);
+  auto* sw13 = dev_alloc<float>(E * 2 * I * H / (128 * 128));
+  auto* qa = dev_alloc<uint8_t>(C * I);
+  auto* sa = dev_alloc<float>(C * I / 128);
+  auto* qw2 = dev_alloc<uint8_t>(E * H * I);
+  auto* sw2 = dev_alloc<float>(E * H * I / (128 * 128));
+  const auto kScale = cuda::Fp8Scale::kFloat32;
+  CHECK_OK(cuda::quantize_e4m3_blocks(w13, E, 2 * I, H, kScale, qw13, nullptr, sw13, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_blocks(w2, E, H, I, kScale, qw2, nullptr, sw2, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr));
+  auto* z = dev_alloc<uint16_t>(C * 2 * I);
+  auto* a_out = dev_alloc<uint16_t>(C * I);
+  auto* slots = dev_alloc<uint16_t>(static_cast<size_t>(k) * T * H);
+  CHECK_CUDA(cudaDeviceSynchronize());
+
+  cuda::DeviceErrorSink errors;
+  CHECK_OK(cuda::device_error_sink(0, &errors));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+
+  auto gate_up = [&](bool fp8) {
+    cuda::GroupedGemmArgs g;
+    g.mode = cuda::GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I, g.errors = errors;
+    g.fp8 = fp8;
+    g.a = fp8 ? static_cast<const void*>(qx) : x, g.a_rows = C, g.a_cols = H, g.a_scales = sx;
+    g.b = fp8 ? static_cast<const void*>(qw13) : w13, g.b_rows = E * 2 * I, g.b_cols = H, g.b_scales = sw13;
+    g.out0 = z, g.out1 = a_out;
+    return g;
+  };
+  auto down = [&](bool fp8) {
+    cuda::GroupedGemmArgs g;
+    g.mode = cuda::GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I, g.errors = errors;
+    g.fp8 = fp8;
+    g.a = fp8 ? static_cast<const void*>(qa) : a, g.a_rows = C, g.a_cols = I, g.a_scales = sa;
+    g.b = fp8 ? static_cast<const void*>(qw2) : w2, g.b_rows = E * H, g.b_cols = I, g.b_scales = sw2;
+    g.topk_weights = d_w, g.out0 = slots;
+    return g;
+  };
+  const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
+  struct Row {
+    const char* name;
+    double ms, flops;
+  };
+  std::vector<Row> rows;
+  auto time_gemm = [&](const char* name, const cuda::GroupedGemmArgs& g, double flops) {
+    const double ms = median_ms([&] { CHECK_OK(cuda::launch_grouped_gemm(g, sms, nullptr)); }, warmup, iters);
+    CHECK_OK(cuda::sync_and_take_device_error(0, nullptr));
+    rows.push_back({name, ms, flops});
+  };
+  time_gemm("kGateUp bf16", gate_up(false), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUp fp8", gate_up(true), 2 * routes * 2 * Id * Hd);
+  time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
+  time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
+  rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
+                                              warmup, iters), 0});
+  rows.push_back({"quantize a pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr)); },
+                                              warmup, iters), 0});
+  std::printf("megamoe-gemm-bench: %s, %lld tokens (pool %lld rows), medians of %d after %d warm-ups\n", shape->name,
+              static_cast<long long>(T), static_cast<long long>(C), iters, warmup);
+  std::printf("%-18s %9s %9s\n", "kernel", "us", "TFLOP/s");
+  for (const Row& r : rows) {
+    if (r.flops > 0)
+      std::printf("%-18s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
+    else
+      std::printf("%-18s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
+  }
+  return 0;
+}
