@@ -236,21 +236,30 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   std::vector<int32_t> row_src, tile_expert, offsets, rows;
 };
 
-// C[r, n] = sum_k A[r, k] * B_e(k, n) for every real pool row r of expert e.
+// C[r, n] = sum_k A[r, k] B_e(k, n) over every real pool row, A and B given as values.
 template <typename BAt>
-std::vector<double> pool_gemm(const Mat& a, int64_t K, int64_t N, const std::vector<int32_t>& row_src,
-                              const std::vector<int32_t>& tile_expert, int64_t pool_rows, BAt b_at) {
+std::vector<double> pool_gemm_values(const std::vector<double>& a, int64_t K, int64_t N,
+                                     const std::vector<int32_t>& row_src, const std::vector<int32_t>& tile_expert,
+                                     int64_t pool_rows, BAt b_at) {
   std::vector<double> c(static_cast<size_t>(pool_rows * N), 0.0);
   for (int64_t r = 0; r < pool_rows; ++r) {
     if (row_src[r] < 0) continue;
     const int e = tile_expert[r / 128];
     for (int64_t n = 0; n < N; ++n) {
-      double s = 0;
-      for (int64_t kk = 0; kk < K; ++kk) s += static_cast<double>(a.host[r * K + kk]) * b_at(e, kk, n);
-      c[r * N + n] = s;
+      double acc = 0;
+      for (int64_t kk = 0; kk < K; ++kk) acc += a[r * K + kk] * b_at(e, kk, n);
+      c[r * N + n] = acc;
     }
   }
   return c;
+}
+
+// The same with A a bf16 pool mirrored on the host.
+template <typename BAt>
+std::vector<double> pool_gemm(const Mat& a, int64_t K, int64_t N, const std::vector<int32_t>& row_src,
+                              const std::vector<int32_t>& tile_expert, int64_t pool_rows, BAt b_at) {
+  return pool_gemm_values(std::vector<double>(a.host.begin(), a.host.end()), K, N, row_src, tile_expert, pool_rows,
+                          b_at);
 }
 
 TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
@@ -346,24 +355,6 @@ Fp8Operand quantize_fp8(const Mat& m, int64_t rows_per_expert) {
                                 sh[srow * (m.cols / 128) + c / 128];
     }
   return o;
-}
-
-// C[r, n] = sum_k A[r, k] B_e(k, n) over every real pool row, A and B given as values.
-template <typename BAt>
-std::vector<double> pool_gemm_values(const std::vector<double>& a, int64_t K, int64_t N,
-                                     const std::vector<int32_t>& row_src, const std::vector<int32_t>& tile_expert,
-                                     int64_t pool_rows, BAt b_at) {
-  std::vector<double> c(static_cast<size_t>(pool_rows * N), 0.0);
-  for (int64_t r = 0; r < pool_rows; ++r) {
-    if (row_src[r] < 0) continue;
-    const int e = tile_expert[r / 128];
-    for (int64_t n = 0; n < N; ++n) {
-      double acc = 0;
-      for (int64_t kk = 0; kk < K; ++kk) acc += a[r * K + kk] * b_at(e, kk, n);
-      c[r * N + n] = acc;
-    }
-  }
-  return c;
 }
 
 TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
