@@ -190,7 +190,7 @@ void expect_owner_plans_match(const cuda::PeerGroup& group, const cuda::Dispatch
     for (int j = 0; j < k; ++j)
       for (int64_t t = 0; t < n; ++t) {
         const bool routed = idx[static_cast<size_t>(s)][static_cast<size_t>(t * k + j)] >= 0;
-        const auto* slot = reinterpret_cast<const uint16_t*>(buf.data() + layout.combine_slot_offset(n, j, t));
+        const auto* slot = reinterpret_cast<const uint16_t*>(buf.data() + layout.combine_slot_offset(j, t));
         for (int64_t c = 0; c < H; ++c)
           if (slot[c] != (routed ? output_payload(s, t, j, c) : uint16_t{0x7F7F})) {
             ++wrong_slots;
@@ -450,7 +450,7 @@ TEST(Dispatch, LayoutBytesAreAWholeNumberOf256AndHoldTheLastSlot) {
           layout.world = world, layout.max_tokens = max_tokens, layout.hidden = hidden, layout.top_k = top_k;
           const size_t end = layout.route_values_offset() + static_cast<size_t>(max_tokens) * top_k * 4;
           EXPECT_GE(layout.route_values_offset(),
-                    layout.combine_slot_offset(max_tokens, top_k - 1, max_tokens - 1) + layout.slot_bytes());
+                    layout.combine_slot_offset(top_k - 1, max_tokens - 1) + layout.slot_bytes());
           EXPECT_EQ(layout.bytes() % 256, 0u) << world << " " << max_tokens << " " << hidden << " " << top_k;
           EXPECT_GE(layout.bytes(), end);
           EXPECT_LT(layout.bytes(), end + 256);

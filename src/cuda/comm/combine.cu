@@ -25,11 +25,12 @@ __global__ void combine_push_kernel(PeerView v, DispatchLayout layout, CombineAr
     if (t >= n) continue;  // past the source's tokens (or a source that never came: n = -1)
     for (int j = 0; j < k; ++j) {
       if (a.virtual_idx[vt * k + j] < 0) continue;  // not a route of this owner
-      const auto* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.outputs) +
-                                                       (static_cast<size_t>(j) * V + vt) * layout.slot_bytes());
-      comm::warp_copy_row(
-          reinterpret_cast<uint4*>(static_cast<char*>(v.peers[s]) + layout.combine_slot_offset(n, j, t)), src,
-          chunks, lane);
+      if (a.outputs != nullptr) {
+        const auto* src = reinterpret_cast<const uint4*>(static_cast<const char*>(a.outputs) +
+                                                         (static_cast<size_t>(j) * V + vt) * layout.slot_bytes());
+        comm::warp_copy_row(reinterpret_cast<uint4*>(static_cast<char*>(v.peers[s]) + layout.combine_slot_offset(j, t)),
+                            src, chunks, lane);
+      }
       if (a.route_values != nullptr && lane == 0)
         reinterpret_cast<float*>(static_cast<char*>(v.peers[s]) + layout.route_values_offset())[t * k + j] =
             a.route_values[vt * k + j];
@@ -98,7 +99,7 @@ Status combine_push(const PeerView& v, const DispatchLayout& layout, const Combi
   if (layout.top_k < 1 || layout.top_k > 32 || layout.slot_bytes() % 16 != 0)
     return invalid_argument("combine: top_k must be in [1, 32] and hidden a multiple of 8");
   if (a.epoch == 0) return invalid_argument("combine: epoch 0 is the flags' initial value; start at 1");
-  if (a.outputs == nullptr || a.virtual_idx == nullptr || a.source_counts == nullptr || a.blocks_done == nullptr)
+  if (a.virtual_idx == nullptr || a.source_counts == nullptr || a.blocks_done == nullptr)
     return invalid_argument("combine: a pointer is null");
   if (reinterpret_cast<uintptr_t>(a.outputs) % 16 != 0 || reinterpret_cast<uintptr_t>(v.local) % 16 != 0)
     return invalid_argument("combine: the outputs and the symmetric buffer must be 16-byte aligned");

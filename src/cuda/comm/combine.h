@@ -21,6 +21,9 @@ namespace megamoe::cuda {
 struct CombineArgs {
   // bf16 [top_k][world * max_tokens][hidden]: this owner's output of route
   // (virtual token v, slot j) at [j][v] (virtual tokens: cuda/comm/ep_routing.h).
+  // Null when the rows are already in the sources' slots (the GEMM epilogue
+  // wrote them there: GroupedGemmArgs::peer_slots): then only route_values,
+  // if given, and the flags go out, after the writes on `stream`.
   const void* outputs = nullptr;
   const int32_t* virtual_idx = nullptr;    // [world * max_tokens, top_k]: >= 0 where this owner computed the route
   const int64_t* source_counts = nullptr;  // [world]: each source's token count (-1: a source that never came)

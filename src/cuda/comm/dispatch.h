@@ -20,9 +20,12 @@
 //   byte weights_offset()   weights f32 [world][max_tokens][top_k]: their routing
 //                           weights, own rank's included (sent when given), so
 //                           that an owner reads route (v, j)'s weight at v * k + j
-//   byte combine_slots_offset()  (128-aligned) bf16 [top_k][own tokens][hidden]: the expert
-//                           outputs of this rank's routes, returned by their
-//                           owners (cuda/comm/combine.h)
+//   byte combine_slots_offset()  (128-aligned) bf16 [top_k][max_tokens][hidden]: the
+//                           expert outputs of this rank's routes (slot [j][t],
+//                           t < its token count), written by their owners: by
+//                           the owner's GEMM epilogue straight over NVLink
+//                           (GroupedGemmArgs::peer_slots), or copied
+//                           (cuda/comm/combine.h)
 //   byte route_values_offset()   (128-aligned) f32 [own tokens][top_k]: one value per
 //                           route returned with them (the backward's d topk_w)
 // Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
@@ -65,8 +68,8 @@ struct DispatchLayout {
   }
   // Rounded up to 128 bytes: rows move as 16-byte pieces whatever the ids' size.
   MEGAMOE_HD size_t combine_slots_offset() const { return (weights_offset(world, 0) + 127) & ~size_t{127}; }
-  MEGAMOE_HD size_t combine_slot_offset(int64_t tokens, int j, int64_t token) const {
-    return combine_slots_offset() + (static_cast<size_t>(j) * tokens + token) * slot_bytes();
+  MEGAMOE_HD size_t combine_slot_offset(int j, int64_t token) const {
+    return combine_slots_offset() + (static_cast<size_t>(j) * max_tokens + token) * slot_bytes();
   }
   MEGAMOE_HD size_t route_values_offset() const {
     return (combine_slots_offset() + static_cast<size_t>(top_k) * max_tokens * slot_bytes() + 127) & ~size_t{127};

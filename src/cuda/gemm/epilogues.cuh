@@ -193,11 +193,17 @@ struct SlotEpilogue {
       }
     }
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
+    const GroupedGemmArgs::PeerSlots& peer = a.peer_slots;
     store_rows_async(staging, kBlockN, kBlockN, [&](int r, int) -> __nv_bfloat16* {
       const int src = sm.tile_src[r];
       if (src < 0) return nullptr;
-      const int64_t slot_row = static_cast<int64_t>(src % k) * T + src / k;
-      return slots + slot_row * N + tile.n * kBlockN;
+      const int64_t v = src / k, j = src % k;
+      if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
+        const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
+        auto* rank_slots = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
+        return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
+      }
+      return slots + (j * T + v) * N + tile.n * kBlockN;
     });
     return true;
   }

@@ -397,6 +397,17 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     return internal_error("grouped GEMM: b_k_major expects B as [E * n, k]");
   if (args.rows_ready != nullptr && args.ready_value == 0)
     return internal_error("grouped GEMM: rows_ready with ready_value 0 would wait for nothing");
+  if (args.peer_slots.rank_buffers != nullptr) {
+    const GroupedGemmArgs::PeerSlots& ps = args.peer_slots;
+    if (args.mode != GemmMode::kDown && args.mode != GemmMode::kGateUpGrad)
+      return internal_error("grouped GEMM: peer_slots are for the slot-writing modes (kDown, kGateUpGrad)");
+    if (ps.tokens_per_rank <= 0 || args.plan.num_tokens % ps.tokens_per_rank != 0 ||
+        args.plan.num_tokens / ps.tokens_per_rank > 8)
+      return internal_error("grouped GEMM: peer_slots.tokens_per_rank must split the plan's virtual tokens into 1 to 8 "
+                            "ranks");
+    if (ps.offset % 16 != 0 || (args.n * 2) % 16 != 0)
+      return internal_error("grouped GEMM: peer slot rows must be 16-byte aligned (bulk stores)");
+  }
   if (args.fp8) {
     if (args.mode != GemmMode::kGateUp && args.mode != GemmMode::kDown)
       return unimplemented("grouped GEMM: FP8 is built for kGateUp and kDown only so far");

@@ -75,6 +75,17 @@ struct GroupedGemmArgs {
   const float* topk_weights = nullptr;  // [T, k]
   const void* z_pool = nullptr;          // kDownGrad input [capacity, 2I]
   void* out0 = nullptr;  // kGateUp: z_pool | kDown, kGateUpGrad: slots [k, T, H] | kDownGrad: dz_pool | kWeightGrad: dW
+  // Expert parallelism (kDown, kGateUpGrad): slot rows go straight to their
+  // source rank's return area, over NVLink for another GPU's, instead of to
+  // out0 (which is then unused): the output of route row v * k + j, virtual
+  // token v = s * tokens_per_rank + t, lands at bf16 element
+  // ((j * tokens_per_rank + t) * n) of rank_buffers[s] + offset. rank_buffers
+  // is the peer view's device array [world]; null: out0, as on one GPU.
+  struct PeerSlots {
+    void* const* rank_buffers = nullptr;
+    size_t offset = 0;
+    int64_t tokens_per_rank = 0;
+  } peer_slots;
   void* out1 = nullptr;  // kGateUp: a_pool | kDownGrad: wa_pool [capacity, I]
   float* dw_partial = nullptr;  // kDownGrad: [capacity, I / 128]
   bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)

@@ -44,6 +44,18 @@ EpSaved ep_saved_view(const EpGroup& ep, const void* saved) {
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 
+// The owner's slot-writing GEMMs (kDown, kGateUpGrad) store each route's row
+// straight into its source rank's return area (over NVLink for another GPU's):
+// no copy of the k x V x H slot rows after the GEMM, and the transfer overlaps
+// the GEMM's own compute.
+GroupedGemmArgs::PeerSlots return_slots(const EpGroup& ep) {
+  GroupedGemmArgs::PeerSlots p;
+  p.rank_buffers = ep.view.peers;
+  p.offset = ep.layout.combine_slots_offset();
+  p.tokens_per_rank = ep.layout.max_tokens;
+  return p;
+}
+
 // What every phase checks: the group, the call's dims against it, the inputs.
 Status check_ep_call(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens) {
   const DispatchLayout& l = ep.layout;
@@ -150,11 +162,12 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
   GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
   g2.topk_weights = weights;
-  g2.out0 = c.slots;  // [k][V][H]: combine_push's outputs
+  g2.peer_slots = return_slots(ep);
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
 
+  // The rows are in their sources' slots: only the flags go out.
   CombineArgs ca;
-  ca.outputs = c.slots, ca.virtual_idx = kept.virtual_idx, ca.source_counts = kept.source_counts;
+  ca.outputs = nullptr, ca.virtual_idx = kept.virtual_idx, ca.source_counts = kept.source_counts;
   ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
   return combine_push(ep.view, ep.layout, ca, call.stream);
 }
@@ -167,7 +180,7 @@ Status ep_forward_combine(const LayerCall& call, const EpGroup& ep, const LayerI
   MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
   const void* slots = static_cast<const char*>(ep.view.local) + ep.layout.combine_slots_offset();
   return combine_slots(slots, in.topk_idx, tokens, ep.layout.top_k, ep.num_experts, ep.layout.hidden, s.error_key,
-                       call.errors, y, call.stream);
+                       call.errors, y, call.stream, ep.layout.max_tokens);
 }
 
 Status layer_forward_ep(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens, void* y,
@@ -264,10 +277,13 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
 
   // As layer_backward, over the virtual tokens: ga = dy @ w2[e]; fused d topk_w
   // partials, dz, topk_w * a; then dx slots = dz @ w13[e]; dW2 = dy^T (w a).
-  MEGAMOE_RETURN_IF_ERROR(detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms));
-  // dx and d topk_w go back before dW2 runs: the sources' wait is not held up by it.
+  const GroupedGemmArgs::PeerSlots dx_slots = return_slots(ep);
+  MEGAMOE_RETURN_IF_ERROR(
+      detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms, &dx_slots));
+  // dx rows are in their sources' slots; d topk_w and the flags go back before
+  // dW2 runs: the sources' wait is not held up by it.
   CombineArgs ca;
-  ca.outputs = c.slots, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;
+  ca.outputs = nullptr, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;
   ca.route_values = s.route_values, ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
   MEGAMOE_RETURN_IF_ERROR(combine_push(ep.view, ep.layout, ca, call.stream));
   return launch_grouped_gemm(detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms,
@@ -283,7 +299,7 @@ Status ep_backward_combine(const LayerCall& call, const EpGroup& ep, const Layer
   MEGAMOE_RETURN_IF_ERROR(combine_wait(ep.layout, ep.view.local, ep.epoch, call.errors, call.stream, s.error_key));
   const void* slots = static_cast<const char*>(ep.view.local) + ep.layout.combine_slots_offset();
   MEGAMOE_RETURN_IF_ERROR(combine_slots(slots, in.topk_idx, tokens, ep.layout.top_k, ep.num_experts, ep.layout.hidden,
-                                        s.error_key, call.errors, grads.dx, call.stream));
+                                        s.error_key, call.errors, grads.dx, call.stream, ep.layout.max_tokens));
   return combine_route_values(ep.layout, ep.view.local, in.topk_idx, tokens, ep.num_experts, s.error_key,
                               grads.d_topk_weights, call.stream);
 }

@@ -30,8 +30,8 @@ __global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, con
   }
 }
 
-__global__ void combine_slots_kernel(const uint4* slots, const int32_t* topk_idx, int64_t T, int k, int E,
-                                     int64_t chunks_per_row, const unsigned long long* error_key,
+__global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, const int32_t* topk_idx, int64_t T,
+                                     int k, int E, int64_t chunks_per_row, const unsigned long long* error_key,
                                      DeviceErrorSink errors, uint4* out) {
   const unsigned long long key = *error_key;
   const bool failed = key != kNoPlanError;
@@ -50,7 +50,7 @@ __global__ void combine_slots_kernel(const uint4* slots, const int32_t* topk_idx
     for (int j = 0; j < k; ++j) {
       const int32_t e = topk_idx[t * k + j];
       if (e < 0 || e >= E) continue;
-      const uint4 v = slots[j * total + i];
+      const uint4 v = slots[j * slot_plane + i];
       const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
       for (int q = 0; q < 4; ++q) {
         const float2 f = __bfloat1622float2(p[q]);
@@ -92,11 +92,13 @@ Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int t
 
 Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
                      int64_t width, const unsigned long long* error_key, const DeviceErrorSink& errors, void* out,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int64_t slot_tokens) {
   if (num_tokens == 0) return Status::Ok();
+  if (slot_tokens == 0) slot_tokens = num_tokens;
+  if (slot_tokens < num_tokens) return internal_error("combine_slots: fewer slot rows than tokens");
   const int64_t chunks = width / 8;
   combine_slots_kernel<<<grid_for(num_tokens * chunks), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(slots), topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
+      static_cast<const uint4*>(slots), slot_tokens * chunks, topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
       errors, static_cast<uint4*>(out));
   return check_launch("combine_slots_kernel");
 }

@@ -18,11 +18,12 @@ Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int t
                    int64_t capacity, void* pool, cudaStream_t stream);
 
 // out[t] = bf16(sum_{j = 0..k-1, 0 <= topk_idx[t,j] < E} slots[j, t]) in fp32, j in order.
+// slots: bf16 [top_k][slot_tokens][width], slot_tokens >= num_tokens (0: num_tokens).
 // If the plan found a routing error, out is filled with NaN (never silently wrong)
 // and the error is reported to `errors` (the host raises it at its next look).
 Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
                      int64_t width, const unsigned long long* error_key, const DeviceErrorSink& errors, void* out,
-                     cudaStream_t stream);
+                     cudaStream_t stream, int64_t slot_tokens = 0);
 
 // d_topk_w[t, j] = sum_n partial[route_row[t, j], n] (n in order), 0 for no route; NaN on a routing error.
 Status reduce_route_partials(const float* partial, int n_parts, const int32_t* route_row, int64_t num_routes,

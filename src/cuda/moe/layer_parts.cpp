@@ -102,7 +102,8 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
 }
 
 Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
-                       const float* topk_weights, float* d_topk, int sms) {
+                       const float* topk_weights, float* d_topk, int sms,
+                       const GroupedGemmArgs::PeerSlots* dx_peer_slots) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -116,6 +117,7 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * 2 * I, H, H);
   gx.out0 = c.slots;
+  if (dx_peer_slots != nullptr) gx.peer_slots = *dx_peer_slots;
   return launch_grouped_gemm(gx, sms, call.stream);
 }
 
