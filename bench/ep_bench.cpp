@@ -129,12 +129,12 @@ int main(int argc, char** argv) {
     ScratchLayout sl, sa;
     BENCH_CHECK(scratch_layout(owner, true, &sl));
     BENCH_CHECK(scratch_layout(alone, true, &sa));
-    BENCH_CHECK(R->scratch.make(sl.bytes, d));
+    BENCH_CHECK(R->scratch.make(sl.bytes_without_slots, d));
     BENCH_CHECK(R->ep_scratch.make(cuda::ep_scratch_layout(layout).bytes, d));
     BENCH_CHECK(R->alone_scratch.make(sa.bytes, d));
-    R->buffers.scratch = R->scratch.p, R->buffers.scratch_bytes = sl.bytes;
+    R->buffers.scratch = R->scratch.p, R->buffers.scratch_bytes = sl.bytes_without_slots;
     R->alone_buffers.scratch = R->alone_scratch.p, R->alone_buffers.scratch_bytes = sa.bytes;
-    BENCH_CHECK(cuda::prepare_layer_call(owner, d, nullptr, R->buffers, &R->call));
+    BENCH_CHECK(cuda::prepare_layer_call(owner, d, nullptr, R->buffers, &R->call, true));
     BENCH_CHECK(cuda::prepare_layer_call(alone, d, nullptr, R->alone_buffers, &R->alone_call));
     BENCH_CHECK(cuda_ok(cudaEventCreate(&R->start), "cudaEventCreate"));
     BENCH_CHECK(cuda_ok(cudaEventCreate(&R->stop), "cudaEventCreate"));

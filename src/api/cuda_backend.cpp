@@ -89,7 +89,8 @@ Status begin_call(const MoeProblem& p, const MoeOptions& o, const MoeInputs& in,
   const auto stream = static_cast<cudaStream_t>(o.cuda_stream);
   MEGAMOE_RETURN_IF_ERROR(cuda::take_device_error(device, stream));
   call->errors.timeout_ns = static_cast<uint64_t>(o.device_timeout_ms) * 1000000u;
-  return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p), device, stream, b, call);
+  return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p), device, stream, b, call,
+                                  ep_owner != nullptr);
 }
 
 Status end_call(const MoeOptions& o, const cuda::LayerCall& call, Status launched) {
@@ -205,7 +206,7 @@ Status cuda_ep_sizes(const MoeProblem& p, int64_t max_tokens, bool will_backward
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(owner, !will_backward, &sl));
   out->symmetric_bytes = l.bytes();
   out->ep_scratch_bytes = cuda::ep_scratch_layout(l).bytes;
-  out->scratch_bytes = sl.bytes;
+  out->scratch_bytes = sl.bytes_without_slots;  // the owner's slot rows go to the sources
   out->saved_bytes = 0;
   if (will_backward) {
     SavedLayout s;

@@ -99,11 +99,12 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
   }
   out->xdy_pool = c.take(product(C, d.hidden), 2);
   out->a_pool = c.take(product(C, d.intermediate), 2);
-  out->slots = c.take(product(product(d.top_k, d.tokens), d.hidden), 2);
   out->dz_pool = c.take(product(C, product(d.intermediate, 2)), 2);
   out->dw_partial = c.take(product(C, d.intermediate / 128), 4);
+  out->slots = c.take(product(product(d.top_k, d.tokens), d.hidden), 2);
   if (!c.ok()) return too_large(d);
   out->bytes = c.end();
+  out->bytes_without_slots = out->slots.offset;
   return Status::Ok();
 }
 

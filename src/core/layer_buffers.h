@@ -22,9 +22,12 @@
 //   plan          the saved layout above, when the call has no saved buffer
 //   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13)
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
-//   slots         bf16 [k, T, H]    forward: weighted expert outputs; backward: dx rows
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w
+//   slots         bf16 [k, T, H]    forward: weighted expert outputs; backward: dx rows.
+//                                   Last, and absent (bytes_without_slots) from an
+//                                   expert-parallel owner's scratch: its GEMMs write
+//                                   these rows into the source ranks' return areas.
 #pragma once
 
 #include <cstddef>
@@ -56,8 +59,9 @@ struct ScratchLayout {
   bool holds_plan = false;  // the saved layout lives here (at plan_offset)
   size_t plan_offset = 0;
   SavedLayout plan;         // offsets relative to plan_offset
-  Region xdy_pool, a_pool, slots, dz_pool, dw_partial;
+  Region xdy_pool, a_pool, dz_pool, dw_partial, slots;
   size_t bytes = 0;
+  size_t bytes_without_slots = 0;  // = slots.offset
 };
 
 // Pool capacity C for `dims`; fails (naming the sizes) when a byte count would

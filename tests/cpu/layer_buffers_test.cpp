@@ -62,6 +62,22 @@ TEST(LayerBuffers, ScratchWithAndWithoutThePlan) {
   EXPECT_EQ(without.slots.bytes, 8u * 4096 * 2048 * 2);
 }
 
+// An expert-parallel owner allocates everything but the slots (its GEMMs write
+// those rows into the sources' return areas): they must be the tail.
+TEST(LayerBuffers, SlotsAreTheTailAnEpOwnerLeavesOut) {
+  for (bool plan : {false, true}) {
+    ScratchLayout sl;
+    ASSERT_TRUE(scratch_layout(qwen3_30b(4096), plan, &sl).ok());
+    EXPECT_EQ(sl.bytes_without_slots, sl.slots.offset);
+    EXPECT_GE(sl.bytes - sl.bytes_without_slots, sl.slots.bytes);
+    for (const Region& r : {sl.chunk_counts, sl.xdy_pool, sl.a_pool, sl.dz_pool, sl.dw_partial})
+      EXPECT_LE(r.offset + r.bytes, sl.bytes_without_slots);
+    if (plan) {
+      EXPECT_LE(sl.plan_offset + sl.plan.bytes, sl.bytes_without_slots);
+    }
+  }
+}
+
 TEST(LayerBuffers, GrowWithTokens) {
   size_t last_saved = 0, last_scratch = 0;
   for (int64_t t : {1, 100, 256, 257, 4096, 16384}) {

@@ -161,7 +161,7 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
     MEGAMOE_ASSERT_OK(scratch_layout(d, false, &sl));
     MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl_alone));  // the plan in scratch too
     MEGAMOE_ASSERT_OK(saved_layout(d, &sv));
-    sl.bytes = std::max(sl.bytes, sl_alone.bytes);
+    sl.bytes = std::max(sl.bytes_without_slots, sl_alone.bytes_without_slots);  // slot rows go to the sources
     R.scratch = std::make_unique<DeviceBytes>(sl.bytes);
     R.saved = std::make_unique<DeviceBytes>(sv.bytes);
     R.ep_scratch = std::make_unique<DeviceBytes>(cuda::ep_scratch_layout(layout).bytes);
@@ -174,7 +174,7 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
     if (rank_major) {
       ASSERT_EQ(cudaStreamCreate(&R.stream), cudaSuccess);
     }
-    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), R.stream, R.buffers, &R.call));
+    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), R.stream, R.buffers, &R.call, true));
   }
 
   for (uint32_t call = 1; call <= 3; ++call) {
@@ -329,14 +329,14 @@ void expect_missing_rank_is_named(const std::vector<int>& devices) {
   for (int r = 0; r < P - 1; ++r) {
     Rank& R = ranks[static_cast<size_t>(r)];
     ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
-    R.scratch = std::make_unique<DeviceBytes>(sl.bytes);
+    R.scratch = std::make_unique<DeviceBytes>(sl.bytes_without_slots);
     R.ep_scratch = std::make_unique<DeviceBytes>(cuda::ep_scratch_layout(layout).bytes);
     R.dev = std::make_unique<DeviceLayer>();
     MEGAMOE_ASSERT_OK(make_device_layer(p, data, DType::kF32, group->device(r), R.dev.get()));
     MEGAMOE_ASSERT_OK(R.dev->y.fill_bytes(0));  // finite: a NaN afterwards is the call's doing
-    R.buffers.scratch = R.scratch->p, R.buffers.scratch_bytes = sl.bytes;
+    R.buffers.scratch = R.scratch->p, R.buffers.scratch_bytes = sl.bytes_without_slots;
     R.call.errors.timeout_ns = timeout;
-    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call));
+    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call, true));
   }
   for (int phase = 0; phase < 3; ++phase)
     for (int r = 0; r < P - 1; ++r) {

@@ -38,15 +38,16 @@ Status check_hopper(int device) {
 }  // namespace
 
 Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream, const LayerBuffers& buffers,
-                          LayerCall* call) {
+                          LayerCall* call, bool slots_at_sources) {
   if (dims.top_k > kMaxTopK)
     return invalid_argument("top_k = " + std::to_string(dims.top_k) + " exceeds the CUDA backend's limit of " +
                             std::to_string(kMaxTopK));
   ScratchLayout sl;
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(dims, buffers.saved == nullptr, &sl));
-  if (buffers.scratch == nullptr || buffers.scratch_bytes < sl.bytes)
+  const size_t need = slots_at_sources ? sl.bytes_without_slots : sl.bytes;
+  if (buffers.scratch == nullptr || buffers.scratch_bytes < need)
     return capacity_error("scratch: " + std::to_string(buffers.scratch_bytes) + " bytes given, this call (" +
-                          std::to_string(dims.tokens) + " tokens) needs " + std::to_string(sl.bytes) +
+                          std::to_string(dims.tokens) + " tokens) needs " + std::to_string(need) +
                           " (moe_buffer_sizes)");
   if (buffers.saved != nullptr) {
     SavedLayout s;
@@ -60,6 +61,7 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
     if (reinterpret_cast<uintptr_t>(p) % kBufferAlign != 0)
       return invalid_argument("scratch, saved: device buffers must be 256-byte aligned");
   MEGAMOE_RETURN_IF_ERROR(check_hopper(device));
+  call->slots_at_sources = slots_at_sources;
   call->dims = dims;
   call->device = device;
   call->stream = stream;

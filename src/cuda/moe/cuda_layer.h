@@ -48,11 +48,14 @@ struct LayerCall {
   int device = 0;
   DeviceErrorSink errors;
   cudaStream_t stream = nullptr;
+  // An expert-parallel owner's call: its slot rows go to the source ranks'
+  // return areas, so its scratch has no slots region (bytes_without_slots).
+  bool slots_at_sources = false;
 };
 
 // Checks the device (Hopper), top_k and buffer sizes; fills call->errors.
 Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream, const LayerBuffers& buffers,
-                          LayerCall* call);
+                          LayerCall* call, bool slots_at_sources = false);
 
 // With buffers.saved, the plan and z are written there for the backward;
 // without, the plan lives in scratch and z is not kept.

@@ -9,8 +9,9 @@
 //            virtual token list, its plan (the one-GPU plan over
 //            V = world x max_tokens virtual tokens and L experts), the pool
 //            gathered from x and the receive slots, GEMM1 + SwiGLU, GEMM2 x
-//            routing weight into the slots [k][V][H], and each route's output
-//            pushed back to its source (cuda/comm/combine.h);
+//            routing weight, whose epilogue stores each route's row straight
+//            into its source's return slot [j][t] (over NVLink: the transfer
+//            overlaps the GEMM), then the owner's flags (cuda/comm/combine.h);
 //   combine  once every owner's flag says its part is in: this rank's k slots
 //            summed in j order (the one-GPU combine_slots).
 // Rows of an expert come in (source rank, token) order, as on one GPU, and

@@ -40,7 +40,7 @@ Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
   }
   c->xdy_pool = at<void>(b.scratch, sl.xdy_pool);
   c->a_pool = at<void>(b.scratch, sl.a_pool);
-  c->slots = at<void>(b.scratch, sl.slots);
+  c->slots = call.slots_at_sources ? nullptr : at<void>(b.scratch, sl.slots);
   c->dz_pool = at<void>(b.scratch, sl.dz_pool);
   c->dw_partial = at<float>(b.scratch, sl.dw_partial);
   return Status::Ok();
