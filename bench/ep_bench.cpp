@@ -2,10 +2,14 @@
 // ranks in one process, one GPU each when there are enough (else ranks share
 // GPUs: a smoke run, not a measurement), against the same per-GPU expert work
 // without communication: the one-GPU layer over T tokens and E / P experts.
-// Also the dispatch push alone, as GB/s per rank of rows sent to other ranks.
+// Also the dispatch push alone, as GB/s per rank of rows sent to other ranks,
+// and the combine's return alone (the copy kernel, combine_push, moving every
+// route's row to its source: in the layer the GEMM epilogue stores them
+// instead, overlapped), as GB/s of rows rank 0 returns to other ranks (the
+// kernel also copies the routes of its own tokens, locally, in that time).
 // Each timing: per rank, CUDA events around its part; the slowest rank's
 // time; the median over iterations after warm-up. Table and JSON.
-// Not yet: the backward (branch ep-backward).
+// The backward is timed by bench/ep_compare.py (forward + backward).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +22,7 @@
 #include <vector>
 
 #include "core/layer_buffers.h"
+#include "cuda/comm/combine.h"
 #include "cuda/comm/dispatch.h"
 #include "cuda/comm/peer_memory.h"
 #include "cuda/moe/cuda_layer.h"
@@ -106,7 +111,7 @@ int main(int argc, char** argv) {
   pa.num_experts = L;
   struct Rank {
     testing::DeviceLayer dev, alone_dev;
-    Bytes scratch, ep_scratch, alone_scratch;
+    Bytes scratch, ep_scratch, alone_scratch, return_rows;
     cuda::LayerCall call, alone_call;
     MoeBuffers buffers, alone_buffers;
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -131,6 +136,7 @@ int main(int argc, char** argv) {
     BENCH_CHECK(scratch_layout(alone, true, &sa));
     BENCH_CHECK(R->scratch.make(sl.bytes_without_slots, d));
     BENCH_CHECK(R->ep_scratch.make(cuda::ep_scratch_layout(layout).bytes, d));
+    BENCH_CHECK(R->return_rows.make(static_cast<size_t>(k) * P * T * H * 2, d));  // combine_push's source [k][V][H]
     BENCH_CHECK(R->alone_scratch.make(sa.bytes, d));
     R->buffers.scratch = R->scratch.p, R->buffers.scratch_bytes = sl.bytes_without_slots;
     R->alone_buffers.scratch = R->alone_scratch.p, R->alone_buffers.scratch_bytes = sa.bytes;
@@ -229,6 +235,39 @@ int main(int argc, char** argv) {
     }
     push_ms.push_back(median(samples));
   }
+  // The return alone: the rows of every route each owner computed in the last
+  // forward (its routing is still in the EP scratch) copied to their sources.
+  double return_ms = 0;
+  {
+    const cuda::EpScratchLayout sl = cuda::ep_scratch_layout(layout);
+    std::vector<double> samples;
+    for (int it = 0; it < warmup + iters && st.ok(); ++it) {
+      double worst = 0;
+      for (int r = 0; r < P && st.ok(); ++r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        auto* base = static_cast<char*>(R.ep_scratch.p);
+        cuda::CombineArgs ca;
+        ca.outputs = R.return_rows.p;
+        ca.virtual_idx = reinterpret_cast<const int32_t*>(base + sl.virtual_idx);
+        ca.source_counts = reinterpret_cast<const int64_t*>(base + sl.source_counts);
+        ca.epoch = epoch, ca.blocks_done = reinterpret_cast<uint32_t*>(base + sl.combine_done);
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        if (st.ok()) st = cuda_ok(cudaEventRecord(R.start, nullptr), "record");
+        if (st.ok()) st = cuda::combine_push(group->view(r), layout, ca, nullptr);
+        if (st.ok()) st = cuda_ok(cudaEventRecord(R.stop, nullptr), "record");
+      }
+      for (int r = 0; r < P && st.ok(); ++r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+        float ms = 0;
+        if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
+        if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
+        worst = std::max(worst, static_cast<double>(ms));
+      }
+      if (it >= warmup) samples.push_back(worst);
+    }
+    return_ms = median(samples);
+  }
   // The same expert work per GPU without communication: T tokens, k routes
   // each, over L experts (uniform, or slot 0 on one hot expert when skewed).
   const double alone_ms = timed(1, [&](int, int r) {
@@ -254,6 +293,16 @@ int main(int argc, char** argv) {
     }
   }
   const double sent_gb = sent_rows * static_cast<double>(H) * 2 / 1e9;
+  // Rows rank 0 returns to other ranks: the routes of their tokens to its experts [0, L).
+  double returned_rows = 0;
+  for (int s = 1; s < P; ++s) {
+    testing::HostTensor idx(DType::kI32, {T, static_cast<int64_t>(k)});
+    BENCH_CHECK(cuda_ok(cudaSetDevice(devices[static_cast<size_t>(s)]), "cudaSetDevice"));
+    BENCH_CHECK(ranks[static_cast<size_t>(s)]->dev.topk_idx.download(&idx));
+    const auto* ids = static_cast<const int32_t*>(idx.view.data);
+    for (int64_t i = 0; i < T * k; ++i) returned_rows += ids[i] >= 0 && ids[i] < L;
+  }
+  const double returned_gb = returned_rows * static_cast<double>(H) * 2 / 1e9;
   std::printf("megamoe-ep-bench: %s, %d ranks on GPUs%s, %lld tokens per rank, %s routing (medians of %d after %d)\n",
               shape->name, P, shared ? " SHARED (not a measurement)" : "", static_cast<long long>(T),
               opt["routing"].c_str(), iters, warmup);
@@ -263,15 +312,17 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f  (%.3f)\n", "ratio EP / no communication", ep_ms / alone_ms, ep_ms / alone_ms);
   std::printf("%-34s %10.3f  %.1f GB/s (rank 0 sends %.3f GB)\n", "dispatch push alone", push_ms[0],
               sent_gb / (push_ms[0] / 1e3), sent_gb);
+  std::printf("%-34s %10.3f  %.1f GB/s (rank 0 returns %.3f GB)\n", "combine return alone (copy)", return_ms,
+              returned_gb / (return_ms / 1e3), returned_gb);
   if (!opt["json"].empty()) {
     FILE* f = std::fopen(opt["json"].c_str(), "w");
     if (f != nullptr) {
       std::fprintf(f,
                    "{\"preset\": \"%s\", \"world\": %d, \"shared_gpus\": %s, \"tokens_per_rank\": %lld, "
                    "\"routing\": \"%s\", \"ep_forward_ms\": %.4f, \"no_comm_forward_ms\": %.4f, "
-                   "\"dispatch_ms\": %.4f, \"dispatch_gb\": %.4f}\n",
+                   "\"dispatch_ms\": %.4f, \"dispatch_gb\": %.4f, \"return_ms\": %.4f, \"return_gb\": %.4f}\n",
                    shape->name, P, shared ? "true" : "false", static_cast<long long>(T), opt["routing"].c_str(), ep_ms,
-                   alone_ms, push_ms[0], sent_gb);
+                   alone_ms, push_ms[0], sent_gb, return_ms, returned_gb);
       std::fclose(f);
     }
   }
