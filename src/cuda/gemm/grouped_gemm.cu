@@ -73,20 +73,22 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
-// The FP8 main loop of one tile (kGateUp, kDown): per 128-long k-block, each
-// 64-row half is summed by wgmma into tmp (scale_d = 0 starts it afresh),
-// retired, and added to acc[h] times a_scale(row) * b_scale(column block).
-// The halves go one after the other (acc, 128 registers, plus one 64-register
-// tmp fit the consumer's 232); the other consumer's main loop is not running
-// meanwhile (main loops take turns), so the retire and the promotion leave the
-// tensor cores idle for a while: the simple, correct form first.
+// The FP8 main loop of one tile (kGateUp, kDown). Each 128-long k-block is
+// summed in four quarters (q: rows [64h, 64h + 64) with h = q / 2, columns
+// [64c, 64c + 64) with c = q % 2), each by wgmma into a 32-register
+// temporary (scale_d = 0 starts it afresh), then added to its part of acc
+// times a_scale(row) * b_scale(column block): the recipe's promotion every
+// 128 K. Two temporaries alternate, so quarter q + 1's wgmmas run on the
+// tensor cores while quarter q is promoted (acc 128 + 2 x 32 registers fit
+// the consumer's 232). kGateUp's column halves are its gate and up columns
+// (two scale blocks of B), kDown's 128 columns one block.
 // false: a wait gave up (reported); the stage's wgmmas are retired.
 template <GemmMode M, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
                                               const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
   static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown, "FP8: the K-major, M-grouped forward modes");
-  static_assert(kAccPerThread + 64 + 32 <= kConsumerRegs, "FP8's promotion temporary does not fit the consumer");
+  static_assert(kAccPerThread + 2 * 32 + 32 <= kConsumerRegs, "FP8's promotion temporaries do not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
@@ -103,10 +105,10 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   }
   const float* sb0 = p.args.b_scales + static_cast<int64_t>(b_block0) * kbs;
   const float* sb1 = p.args.b_scales + static_cast<int64_t>(b_block1) * kbs;
-  float tmp[64];
+  float tmp[2][32];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
-    const float b0 = __ldg(sb0 + kb), b1 = __ldg(sb1 + kb);
+    const float b_s[2] = {__ldg(sb0 + kb), __ldg(sb1 + kb)};
     float a_s[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -116,20 +118,31 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     const uint8_t* sa = smem + ps.stage() * kStageBytes;
     const uint8_t* sb = sa + kTileBytesA;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      fence_accumulators(tmp);
-      wgmma_fence();
+    for (int q = 0; q <= 4; ++q) {
+      if (q < 4) {  // issue quarter q (A box h, B box c: 64 rows each)
+        float(&t)[32] = tmp[q & 1];
+        fence_accumulators(t);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
-        const uint64_t da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
-        const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
-        wgmma_m64n128k32_e4m3(tmp, da, db, kk > 0 ? 1 : 0);
+        for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
+          const uint64_t da = smem_desc_sw128(sa + (q >> 1) * kBoxBytes + kk * 32, 0, 1024);
+          const uint64_t db = smem_desc_sw128(sb + (q & 1) * kBoxBytes + kk * 32, 0, 1024);
+          wgmma_m64n64k32_e4m3(t, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(tmp);
+      if (q > 0) {  // promote quarter q - 1 once its group is retired (q's may stay in flight)
+        if (q < 4) {
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        const int pq = q - 1, h = pq >> 1, c = pq & 1;
+        float(&t)[32] = tmp[pq & 1];
+        fence_accumulators(t);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * (i < 32 ? b0 : b1));
+        for (int i = 0; i < 32; ++i) acc[h][32 * c + i] += t[i] * (a_s[h][(i >> 1) & 1] * b_s[c]);
+      }
     }
     release(ps.stage());
   }
