@@ -7,12 +7,9 @@ One process per GPU (spawned here); each rank holds --tokens tokens and E / P ex
 Backends, each timed in turn in the same processes (CUDA-event medians after warm-up,
 the slowest rank's time):
   megamoe_ep        megamoe.moe(..., group=WORLD): dispatch, experts and combine on the device
-  a2a_gmm_compile   TorchTitan's expert parallelism: routes sorted by destination rank, the split
-                    sizes exchanged and read on the host (TorchTitan does the same), NCCL
-                    all_to_all_single of the route rows out and of the expert outputs back
-                    (autograd through torch.distributed.nn), the torch.compile'd grouped_mm
-                    pipeline of bench/compare_torch.py on the owner, routing weight and bf16
-                    scatter_add combine at the source
+  a2a_gmm_compile   TorchTitan's expert parallelism (bench/ep_baseline.py): NCCL
+                    all_to_all_single of the route rows out and back around the
+                    torch.compile'd grouped_mm pipeline of bench/compare_torch.py
   no_comm           the same per-GPU expert work without communication: megamoe on one GPU,
                     --tokens tokens routed over the E / P local experts
 Before timing, megamoe_ep's y is checked against a2a_gmm_compile's (bf16 bounds).
@@ -21,7 +18,6 @@ Not yet: SonicMoE as the a2a pipeline's expert compute, torch.ops.symm_mem.all_t
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -42,35 +38,6 @@ def _routing(T, E, k, skewed, gen, device):
     idx = (bias - torch.log(-torch.log(u))).topk(k, dim=1).indices.to(torch.int32)
     w = torch.softmax(torch.randn(T, k, generator=gen, device=device), dim=1)
     return idx.contiguous(), w.contiguous()
-
-
-def a2a_forward(x, idx, w, w13, w2, group, expert_fn):
-    """TorchTitan-style EP forward (see the module docstring); autograd end to end."""
-    import torch.distributed as dist
-    import torch.distributed.nn.functional as dnn
-
-    T, H = x.shape
-    k = idx.shape[1]
-    P, L = dist.get_world_size(group), w13.shape[0]
-    flat = idx.reshape(-1).long()
-    dest = torch.where(flat >= 0, flat // L, P)
-    order = torch.argsort(dest, stable=True)
-    counts = torch.bincount(dest, minlength=P + 1)[:P]
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    in_splits, out_splits = counts.tolist(), recv_counts.tolist()  # the host sync TorchTitan also has
-    n = sum(in_splits)
-    routes = order[:n]
-    send_rows = x[routes // k]
-    send_ids = (flat[routes] % L).to(torch.int32)
-    recv_ids = torch.empty(sum(out_splits), dtype=torch.int32, device=x.device)
-    dist.all_to_all_single(recv_ids, send_ids, out_splits, in_splits, group=group)
-    recv_rows = dnn.all_to_all_single(x.new_empty(sum(out_splits), H), send_rows, out_splits, in_splits, group=group)
-    ones = torch.ones(recv_rows.shape[0], 1, dtype=torch.float32, device=x.device)
-    out = expert_fn(recv_rows, recv_ids[:, None], ones, w13, w2)
-    back = dnn.all_to_all_single(x.new_empty(n, H), out, in_splits, out_splits, group=group)
-    scaled = (back.float() * w.reshape(-1)[routes, None]).to(x.dtype)
-    return x.new_zeros(T, H).scatter_add(0, (routes // k)[:, None].expand(-1, H), scaled)
 
 
 def _median_ms(fn, warmup, iters, setup=None):
@@ -96,7 +63,7 @@ def _rank_main(rank, world, args, init_file, out_file):
     import torch.distributed as dist
 
     import megamoe
-    from compare_torch import grouped_mm_forward
+    from ep_baseline import a2a_forward, compiled_grouped_mm
     from megamoe.train import PRESETS
 
     torch.cuda.set_device(rank)
@@ -116,7 +83,7 @@ def _rank_main(rank, world, args, init_file, out_file):
         w13 = (torch.randn(L, 2 * I, H, generator=gen, device=dev) * H ** -0.5).to(torch.bfloat16)
         w2 = (torch.randn(L, H, I, generator=gen, device=dev) * I ** -0.5).to(torch.bfloat16)
         dy = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
-        expert_fn = torch.compile(functools.partial(grouped_mm_forward, gmm=torch._grouped_mm, align=8), dynamic=True)
+        expert_fn = compiled_grouped_mm()
         sets = {}
 
         def prepare(name):  # fresh leaves, outside the timed region
