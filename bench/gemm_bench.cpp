@@ -1,5 +1,7 @@
-// megamoe-gemm-bench: the forward's two grouped GEMMs on their own, bf16 against
-// FP8 (e4m3, the recipe's block scales), with the quantize passes that feed
+// megamoe-gemm-bench: the forward's two grouped GEMMs and the backward's two
+// data-gradient GEMMs on their own, bf16 (as the layer runs them) against FP8
+// (e4m3, the recipe's block scales; the backward's weights as the block
+// quantizer's transposed copy, K-major), with the quantize passes that feed
 // FP8 today, at a preset's shape with uniform random routing. CUDA-event
 // medians after warm-up; TFLOP/s counts real routes only (2 * routes * N * K).
 #include <cuda_runtime.h>
@@ -149,15 +151,27 @@ int main(int argc, char** argv) {
   auto* qa = dev_alloc<uint8_t>(C * I);
   auto* sa = dev_alloc<float>(C * I / 128);
   auto* qw2 = dev_alloc<uint8_t>(E * H * I);
+  auto* qw2_t = dev_alloc<uint8_t>(E * H * I);     // [E, I, H]: kDownGrad's K-major B
+  auto* qw13_t = dev_alloc<uint8_t>(E * 2 * I * H);  // [E, H, 2I]: kGateUpGrad's K-major B
   auto* sw2 = dev_alloc<float>(E * H * I / (128 * 128));
   const auto kScale = cuda::Fp8Scale::kFloat32;
-  CHECK_OK(cuda::quantize_e4m3_blocks(w13, E, 2 * I, H, kScale, qw13, nullptr, sw13, nullptr));
-  CHECK_OK(cuda::quantize_e4m3_blocks(w2, E, H, I, kScale, qw2, nullptr, sw2, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_blocks(w13, E, 2 * I, H, kScale, qw13, qw13_t, sw13, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_blocks(w2, E, H, I, kScale, qw2, qw2_t, sw2, nullptr));
   CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr));
   CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr));
   auto* z = dev_alloc<uint16_t>(C * 2 * I);
   auto* a_out = dev_alloc<uint16_t>(C * I);
   auto* slots = dev_alloc<uint16_t>(static_cast<size_t>(k) * T * H);
+  // The backward's: dy pool (x's values stand in), the saved z, dz (kDownGrad's
+  // output, kGateUpGrad's input: random here) and its FP8 rows.
+  uint16_t* z_saved = random_bf16(C * 2 * I, 1.0f, 5);
+  uint16_t* dz = random_bf16(C * 2 * I, 1.0f, 6);
+  auto* dz_out = dev_alloc<uint16_t>(C * 2 * I);
+  auto* wa = dev_alloc<uint16_t>(C * I);
+  auto* dw_partial = dev_alloc<float>(C * (I / 128));
+  auto* qdz = dev_alloc<uint8_t>(C * 2 * I);
+  auto* sdz = dev_alloc<float>(C * 2 * I / 128);
+  CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
 
   cuda::DeviceErrorSink errors;
@@ -184,6 +198,26 @@ int main(int argc, char** argv) {
     g.topk_weights = d_w, g.out0 = slots;
     return g;
   };
+  auto down_grad = [&](bool fp8) {  // bf16: w2 MN-major as [E*H, I]; FP8: its transposed copy [E*I, H]
+    cuda::GroupedGemmArgs g;
+    g.mode = cuda::GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I, g.errors = errors;
+    g.fp8 = fp8, g.b_k_major = fp8;
+    g.a = fp8 ? static_cast<const void*>(qx) : x, g.a_rows = C, g.a_cols = H, g.a_scales = sx;
+    g.b = fp8 ? static_cast<const void*>(qw2_t) : w2, g.b_scales = sw2;
+    g.b_rows = fp8 ? E * I : E * H, g.b_cols = fp8 ? H : I;
+    g.topk_weights = d_w, g.z_pool = z_saved, g.out0 = dz_out, g.out1 = wa, g.dw_partial = dw_partial;
+    return g;
+  };
+  auto gate_up_grad = [&](bool fp8) {  // bf16: w13 MN-major as [E*2I, H]; FP8: its transposed copy [E*H, 2I]
+    cuda::GroupedGemmArgs g;
+    g.mode = cuda::GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I, g.errors = errors;
+    g.fp8 = fp8, g.b_k_major = fp8;
+    g.a = fp8 ? static_cast<const void*>(qdz) : dz, g.a_rows = C, g.a_cols = 2 * I, g.a_scales = sdz;
+    g.b = fp8 ? static_cast<const void*>(qw13_t) : w13, g.b_scales = sw13;
+    g.b_rows = fp8 ? E * H : E * 2 * I, g.b_cols = fp8 ? 2 * I : H;
+    g.out0 = slots;
+    return g;
+  };
   const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
   struct Row {
     const char* name;
@@ -199,10 +233,17 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp fp8", gate_up(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad bf16", down_grad(false), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad fp8", down_grad(true), 2 * routes * Hd * Id);
+  time_gemm("kGateUpGrad bf16", gate_up_grad(false), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
   rows.push_back({"quantize a pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr)); },
                                               warmup, iters), 0});
+  rows.push_back({"quantize dz pool",
+                  median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr)); },
+                            warmup, iters), 0});
   std::printf("megamoe-gemm-bench: %s, %lld tokens (pool %lld rows), medians of %d after %d warm-ups\n", shape->name,
               static_cast<long long>(T), static_cast<long long>(C), iters, warmup);
   std::printf("%-18s %9s %9s\n", "kernel", "us", "TFLOP/s");

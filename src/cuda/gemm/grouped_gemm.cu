@@ -73,7 +73,8 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
-// The FP8 main loop of one tile (kGateUp, kDown). Each 128-long k-block is
+// The FP8 main loop of one tile (kGateUp, kDown; kDownGrad and kGateUpGrad
+// with B transposed, kBT). Each 128-long k-block is
 // summed in four quarters (q: rows [64h, 64h + 64) with h = q / 2, columns
 // [64c, 64c + 64) with c = q % 2), each by wgmma into a 32-register
 // temporary (scale_d = 0 starts it afresh), then added to its part of acc
@@ -81,13 +82,18 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // 128 K. Two temporaries alternate, so quarter q + 1's wgmmas run on the
 // tensor cores while quarter q is promoted (acc 128 + 2 x 32 registers fit
 // the consumer's 232). kGateUp's column halves are its gate and up columns
-// (two scale blocks of B), kDown's 128 columns one block.
+// (two scale blocks of B), the other modes' 128 columns one block. B's scales:
+// [b_rows / 128, k / 128] for B as given (kGateUp, kDown); with kBT, the
+// untransposed weights' blocks, [E, k / 128, n / 128] (the block quantizer's
+// layout, whose transposed copy is this B).
 // false: a wait gave up (reported); the stage's wgmmas are retired.
-template <GemmMode M, int S, typename Release>
+template <GemmMode M, bool kBT, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
                                               const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
-  static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown, "FP8: the K-major, M-grouped forward modes");
+  static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown || (kBT && (M == GemmMode::kDownGrad ||
+                                                                          M == GemmMode::kGateUpGrad)),
+                "FP8: the M-grouped modes with both operands K-major");
   static_assert(kAccPerThread + 2 * 32 + 32 <= kConsumerRegs, "FP8's promotion temporaries do not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
@@ -95,20 +101,25 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
-  int b_block0, b_block1;
-  if constexpr (M == GemmMode::kGateUp) {
+  // sb0 / sb1 + kb * sb_step: the scale of k-block kb.
+  const float *sb0, *sb1;
+  int sb_step = 1;
+  if constexpr (kBT) {
+    const int nb = static_cast<int>(p.args.n / 128);
+    sb0 = sb1 = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
+    sb_step = nb;
+  } else if constexpr (M == GemmMode::kGateUp) {
     const int I = static_cast<int>(p.args.intermediate);
-    b_block0 = (tile.expert * 2 * I + tile.n * 64) / 128;
-    b_block1 = (tile.expert * 2 * I + I + tile.n * 64) / 128;
+    sb0 = p.args.b_scales + static_cast<int64_t>((tile.expert * 2 * I + tile.n * 64) / 128) * kbs;
+    sb1 = p.args.b_scales + static_cast<int64_t>((tile.expert * 2 * I + I + tile.n * 64) / 128) * kbs;
   } else {
-    b_block0 = b_block1 = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128;
+    sb0 = sb1 = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) /
+                                                      128) * kbs;
   }
-  const float* sb0 = p.args.b_scales + static_cast<int64_t>(b_block0) * kbs;
-  const float* sb1 = p.args.b_scales + static_cast<int64_t>(b_block1) * kbs;
   float tmp[2][32];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
-    const float b_s[2] = {__ldg(sb0 + kb), __ldg(sb1 + kb)};
+    const float b_s[2] = {__ldg(sb0 + kb * sb_step), __ldg(sb1 + kb * sb_step)};
     float a_s[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -277,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      if (!fp8_main_loop<M>(p, tile, smem, ring, waits, ps, acc, release)) {
+      if (!fp8_main_loop<M, kBT>(p, tile, smem, ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
       }
@@ -422,8 +433,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       return internal_error("grouped GEMM: peer slot rows must be 16-byte aligned (bulk stores)");
   }
   if (args.fp8) {
-    if (args.mode != GemmMode::kGateUp && args.mode != GemmMode::kDown)
-      return unimplemented("grouped GEMM: FP8 is built for kGateUp and kDown only so far");
+    if (args.mode == GemmMode::kWeightGrad)
+      return unimplemented("grouped GEMM: FP8 kWeightGrad is not built yet");
+    if ((args.mode == GemmMode::kDownGrad || args.mode == GemmMode::kGateUpGrad) && !args.b_k_major)
+      return invalid_argument("grouped GEMM: FP8 kDownGrad / kGateUpGrad read B K-major: set b_k_major (the block "
+                              "quantizer's transposed copy) with b_scales [E, k / 128, n / 128]");
     if (args.rows_ready != nullptr) return unimplemented("grouped GEMM: FP8 with rows_ready is not instantiated");
     if (args.k % kBlockKFp8 != 0) return internal_error("grouped GEMM: FP8 needs K a multiple of 128");
     if (args.a_scales == nullptr || args.b_scales == nullptr)
@@ -463,6 +477,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     constexpr GemmMode m = decltype(mode)::value;
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {  // b_k_major: checked above
+      if (args.fp8) return launch_mode<m, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
     if constexpr (ModeTraits<m>::kPairs) {
       if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);

@@ -61,10 +61,14 @@ struct GroupedGemmArgs {
   // read by default. The same products in the same order (bitwise the same
   // result); the path FP8 needs, whose wgmma reads K-major operands only.
   bool b_k_major = false;
-  // FP8 (kGateUp and kDown): a and b are e4m3 (u8), both K-major as in bf16,
-  // with fp32 block scales (cuda/fp8/quantize.h writes both layouts):
+  // FP8 (kGateUp, kDown; kDownGrad and kGateUpGrad with b_k_major): a and b
+  // are e4m3 (u8), both K-major, with fp32 block scales (cuda/fp8/quantize.h
+  // writes these layouts):
   //   a_scales [a_rows, k / 128]   1 x 128 along K, one per pool row and k-block;
-  //   b_scales [b_rows / 128, k / 128]   128 x 128 blocks of b as [E * rows, k].
+  //   b_scales [b_rows / 128, k / 128]   128 x 128 blocks of b as [E * rows, k]
+  //            (kGateUp, kDown); with b_k_major, the blocks of the untransposed
+  //            weights, [E, k / 128, n / 128] (quantize_e4m3_blocks' scales, whose
+  //            q_t is this b).
   // Each 128-long k-block is summed by wgmma into a temporary, then added to
   // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
   // every 128 K). K must be a multiple of 128. Epilogues are bf16's.
