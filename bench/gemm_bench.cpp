@@ -1,8 +1,10 @@
-// megamoe-gemm-bench: the forward's two grouped GEMMs and the backward's two
-// data-gradient GEMMs on their own, bf16 (as the layer runs them) against FP8
-// (e4m3, the recipe's block scales; the backward's weights as the block
-// quantizer's transposed copy, K-major), with the quantize passes that feed
-// FP8 today, at a preset's shape with uniform random routing. CUDA-event
+// megamoe-gemm-bench: the layer's six grouped GEMMs on their own (forward
+// kGateUp, kDown; backward kDownGrad, kGateUpGrad and the weight gradients
+// dW2, dW13), bf16 (as the layer runs them) against FP8 (e4m3, the recipe's
+// scales: the backward's weights as the block quantizer's transposed copy,
+// the weight-gradient operands per 128 tokens of each channel, transposed),
+// with the quantize passes that feed FP8 today, at a preset's shape with
+// uniform random routing. CUDA-event
 // medians after warm-up; TFLOP/s counts real routes only (2 * routes * N * K).
 #include <cuda_runtime.h>
 
@@ -172,6 +174,17 @@ int main(int argc, char** argv) {
   auto* qdz = dev_alloc<uint8_t>(C * 2 * I);
   auto* sdz = dev_alloc<float>(C * 2 * I / 128);
   CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr));
+  // Weight gradients: dW2 = dy^T (w a) (x stands in for dy), dW13 = dz^T x; bf16 outputs.
+  auto* dw_out = dev_alloc<uint16_t>(static_cast<size_t>(E) * 2 * I * H);
+  auto* xq_t = dev_alloc<uint8_t>(C * H);
+  auto* xs_t = dev_alloc<float>(C / 128 * H);
+  auto* aq_t = dev_alloc<uint8_t>(C * I);
+  auto* as_t = dev_alloc<float>(C / 128 * I);
+  auto* dzq_t = dev_alloc<uint8_t>(C * 2 * I);
+  auto* dzs_t = dev_alloc<float>(C / 128 * 2 * I);
+  CHECK_OK(cuda::quantize_e4m3_cols_t(x, C, H, kScale, xq_t, xs_t, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_cols_t(a, C, I, kScale, aq_t, as_t, nullptr));
+  CHECK_OK(cuda::quantize_e4m3_cols_t(dz, C, 2 * I, kScale, dzq_t, dzs_t, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
 
   cuda::DeviceErrorSink errors;
@@ -218,6 +231,22 @@ int main(int argc, char** argv) {
     g.out0 = slots;
     return g;
   };
+  // dW[e] = A^T B over the expert's pool rows: bf16 reads both pools MN-major,
+  // FP8 their transposed column-quantised copies.
+  auto wgrad = [&](bool fp8, int64_t m, int64_t n, const void* a16, const void* b16, const uint8_t* aq, const float* as,
+                   const uint8_t* bq, const float* bs) {
+    cuda::GroupedGemmArgs g;
+    g.mode = cuda::GemmMode::kWeightGrad, g.plan = plan, g.m = m, g.n = n, g.errors = errors, g.fp8 = fp8;
+    if (fp8) {
+      g.a = aq, g.a_rows = m, g.a_cols = C, g.a_scales = as;
+      g.b = bq, g.b_rows = n, g.b_cols = C, g.b_scales = bs;
+    } else {
+      g.a = a16, g.a_rows = C, g.a_cols = m;
+      g.b = b16, g.b_rows = C, g.b_cols = n;
+    }
+    g.out0 = dw_out;
+    return g;
+  };
   const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
   struct Row {
     const char* name;
@@ -237,10 +266,17 @@ int main(int argc, char** argv) {
   time_gemm("kDownGrad fp8", down_grad(true), 2 * routes * Hd * Id);
   time_gemm("kGateUpGrad bf16", gate_up_grad(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
+  time_gemm("dW2 bf16", wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), 2 * routes * Hd * Id);
+  time_gemm("dW2 fp8", wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t), 2 * routes * Hd * Id);
+  time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
+  time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
   rows.push_back({"quantize a pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr)); },
                                               warmup, iters), 0});
+  rows.push_back({"quantize x cols_t",
+                  median_ms([&] { CHECK_OK(cuda::quantize_e4m3_cols_t(x, C, H, kScale, xq_t, xs_t, nullptr)); },
+                            warmup, iters), 0});
   rows.push_back({"quantize dz pool",
                   median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr)); },
                             warmup, iters), 0});

@@ -189,6 +189,44 @@ TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {
   EXPECT_EQ(s[1], 1.0f) << "the zero tile's scale";
 }
 
+// 128 x 1 tiles (a weight-gradient operand, K = rows) with the bytes written
+// transposed: q_t [cols, rows], scales [rows / 128, cols].
+TEST_P(Fp8Quantize, ColumnTilesTransposedMatchTheReferenceBitwise) {
+  MEGAMOE_REQUIRE_GPU();
+  const int64_t rows = 384, cols = 256, tr = rows / 128;
+  const std::vector<uint16_t> xt = make_data(rows * cols, 128, 17);  // [cols, rows]: a magnitude per column tile
+  std::vector<uint16_t> x(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) x[static_cast<size_t>(r * cols + c)] = xt[static_cast<size_t>(c * rows + r)];
+  for (int64_t r = 0; r < 128; ++r) x[static_cast<size_t>(r * cols)] = 0;  // column 0, row tile 0: all zero
+  x[static_cast<size_t>((128 + 7) * cols + 5)] = 0x7FC0;                   // column 5, row tile 1: a NaN
+  x[static_cast<size_t>((256 + 3) * cols + 200)] = 0xFF80;                 // column 200, row tile 2: -inf
+  Dev<uint16_t> dx(x.size());
+  Dev<uint8_t> dqt(x.size());
+  Dev<float> ds(static_cast<size_t>(tr * cols));
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_cols_t(dx.p, rows, cols, kind(), dqt.p, ds.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto qt = dqt.get(x.size());
+  const auto s = ds.get(static_cast<size_t>(tr * cols));
+  int64_t bytes_differ = 0, scales_differ = 0;
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t i = 0; i < tr; ++i) {
+      std::vector<float> v(128);
+      for (int64_t r = 0; r < 128; ++r) v[r] = bf16(x[static_cast<size_t>((i * 128 + r) * cols + c)]);
+      std::vector<uint8_t> want;
+      float scale;
+      reference_tile(v, GetParam(), &want, &scale);
+      scales_differ += float_bits(scale) != float_bits(s[static_cast<size_t>(i * cols + c)]);
+      for (int64_t r = 0; r < 128; ++r) bytes_differ += want[r] != qt[static_cast<size_t>(c * rows + i * 128 + r)];
+    }
+  EXPECT_EQ(scales_differ, 0);
+  EXPECT_EQ(bytes_differ, 0);
+  EXPECT_EQ(s[0], 1.0f) << "the zero tile's scale";
+  EXPECT_TRUE(std::isnan(s[static_cast<size_t>(1 * cols + 5)])) << "the NaN tile's scale";
+  EXPECT_TRUE(std::isinf(s[static_cast<size_t>(2 * cols + 200)])) << "the inf tile's scale";
+}
+
 std::string scale_name(const ::testing::TestParamInfo<ScaleKind>& p) {
   return p.param == ScaleKind::kFloat32 ? "fp32" : "pow2";
 }
@@ -209,7 +247,9 @@ TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
   alignas(16) uint16_t row[130] = {};
   alignas(16) uint8_t out[128];
   const Status misaligned = cuda::quantize_e4m3_rows(row + 1, 1, 128, cuda::Fp8Scale::kFloat32, out, &s, nullptr);
-  EXPECT_NE(misaligned.message().find("x must be 8-byte"), std::string::npos) << misaligned.message();
+  EXPECT_NE(misaligned.message().find("x must be 16-byte"), std::string::npos) << misaligned.message();
+  const Status cols_t = cuda::quantize_e4m3_cols_t(&x, 100, 128, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
+  EXPECT_NE(cols_t.message().find("rows = 100"), std::string::npos) << cols_t.message();
 }
 
 }  // namespace

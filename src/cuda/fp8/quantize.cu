@@ -130,6 +130,64 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
   }
 }
 
+// One 256-thread block per 128 x 128 tile of x, quantised as 128 columns of
+// 128 x 1 tiles (a weight-gradient operand: K = rows = tokens). Each thread
+// holds 64 values (rows r0 + 16 i, columns c8 ..); the column amaxes meet in
+// shared memory (16 partials per column); the e4m3 bytes leave transposed
+// through shared memory, so that the q_t rows (x's columns) are stored
+// contiguously.
+__global__ void quantize_cols_t_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, Fp8Scale kind,
+                                       uint8_t* q_t, float* scales) {
+  __shared__ float partial[16][kTile];          // [row group r0][column]
+  __shared__ float col_scale[kTile];
+  __shared__ uint8_t tile_t[kTile][kTile + 8];  // [column][row], padded against bank conflicts
+  const int64_t tiles_c = cols / kTile;
+  const int64_t tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
+  const __nv_bfloat16* src = x + tr * kTile * cols + tc * kTile;
+  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = t / 16;
+  float v[8][8];
+  float amax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + 16 * i) * cols + c8);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j]);
+      v[i][2 * j] = f.x, v[i][2 * j + 1] = f.y;
+      amax[2 * j] = fold_amax(amax[2 * j], f.x);
+      amax[2 * j + 1] = fold_amax(amax[2 * j + 1], f.y);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) partial[r0][c8 + j] = amax[j];
+  __syncthreads();
+  if (t < kTile) {
+    float m = 0.0f;
+    for (int g = 0; g < 16; ++g) m = fold_amax(m, partial[g][t]);
+    const float s = tile_scale(m, kind);
+    col_scale[t] = s;
+    scales[tr * cols + tc * kTile + t] = s;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float s = col_scale[c8 + j];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tile_t[c8 + j][r0 + 16 * i] = to_e4m3(v[i][j], s);
+  }
+  __syncthreads();
+  // q_t [cols, rows]: row c of the transposed tile holds column c of the tile.
+  uint8_t* dst = q_t + tc * kTile * rows + tr * kTile;
+  for (int i = 0; i < 8; ++i) {
+    const int c = r0 + 16 * i;
+    uint2 packed = make_uint2(0, 0);
+    for (int j = 0; j < 8; ++j)
+      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(tile_t[c][c8 + j]) << (8 * (j % 4));
+    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(c) * rows + c8) = packed;
+  }
+}
+
 Status check_shape(const char* what, int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0 || rows % kTile != 0 || cols % kTile != 0)
     return invalid_argument(std::string(what) + ": rows = " + std::to_string(rows) +
@@ -178,6 +236,19 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
   quantize_blocks_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), rows,
                                                                            cols, scale, q, q_t, scales);
   return cuda_status("fp8 block quantizer", cudaGetLastError());
+}
+
+Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
+                            cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 column quantizer", rows, cols));
+  if (x == nullptr || q_t == nullptr || scales == nullptr)
+    return invalid_argument("fp8 column quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
+    return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
+  const int64_t tiles = (rows / kTile) * (cols / kTile);
+  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
+                                                                           cols, scale, q_t, scales);
+  return cuda_status("fp8 column quantizer", cudaGetLastError());
 }
 
 }  // namespace megamoe::cuda

@@ -13,6 +13,10 @@
 //           orientation a backward GEMM reads K-major), scales f32
 //           [batch, rows / 128, cols / 128] (128 x 128 tiles: weights; a tile's
 //           scale serves both orientations).
+//   cols_t: x bf16 [rows, cols] -> q_t u8 [cols, rows] (transposed: K = rows
+//           along q_t's rows), scales f32 [rows / 128, cols] (128 x 1 tiles:
+//           the weight-gradient operands, K = tokens, scaled per 128 tokens of
+//           each channel).
 // rows and cols must be multiples of 128 (the layer's shapes are). Async on
 // `stream`; no host synchronisation.
 #pragma once
@@ -32,5 +36,8 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
 
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
+
+Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
+                            cudaStream_t stream);
 
 }  // namespace megamoe::cuda

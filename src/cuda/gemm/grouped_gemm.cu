@@ -49,7 +49,8 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
     // pool): box 1 is then asked for past the tensor's end, which TMA fills
     // with zeros without reading memory (Tile::lower_half_used).
     const int a_row = box == 1 && !tile.lower_half_used ? static_cast<int>(p.args.a_rows) : tile.m * kBlockM + box * 64;
-    const int c0 = T::kAMnMajor ? a_row : k0, c1 = T::kAMnMajor ? k0 : a_row;
+    constexpr bool kAMn = T::kAMnMajor && !kFp8;  // FP8 kWeightGrad reads A^T, K-major
+    const int c0 = kAMn ? a_row : k0, c1 = kAMn ? k0 : a_row;
     if constexpr (kPair) {
       if (box == static_cast<int>(rank)) tma_load_2d_multicast(smem_a + box * kBoxBytes, map_a, full, c0, c1, 0b11);
     } else {
@@ -61,6 +62,8 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
     } else if constexpr (M == GemmMode::kDown) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
+    } else if constexpr (M == GemmMode::kWeightGrad && kFp8) {  // B^T [n, pool rows], K-major
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, tile.n * kBlockN + box * 64);
     } else if constexpr (M == GemmMode::kWeightGrad) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64, k0);
     } else if constexpr (kBT) {  // [E * n, k]: expert e's output columns are rows, K inner
@@ -91,20 +94,31 @@ template <GemmMode M, bool kBT, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
                                               const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
-  static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown || (kBT && (M == GemmMode::kDownGrad ||
-                                                                          M == GemmMode::kGateUpGrad)),
-                "FP8: the M-grouped modes with both operands K-major");
+  static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kWeightGrad ||
+                    (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
+                "FP8: the modes with both operands K-major");
+  constexpr bool kWgrad = M == GemmMode::kWeightGrad;
   static_assert(kAccPerThread + 2 * 32 + 32 <= kConsumerRegs, "FP8's promotion temporaries do not fit the consumer");
-  const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns
+  const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
-  const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
+  // Its A scales: M-grouped, sa_row[64 h + 8 q) * kbs + kb]; kWeightGrad (A^T
+  // scaled per 128 pool rows of each of its m channels: [C / 128, m]),
+  // sa_row[(kb) * m + 64 h + 8 q], from the expert's first pool-row block.
+  const float* sa_row = kWgrad ? p.args.a_scales + static_cast<int64_t>(tile.k_begin / kBlockKFp8) * p.args.m + r0
+                               : p.args.a_scales + static_cast<int64_t>(r0) * kbs;
+  // kWeightGrad's B scales [C / 128, n]: this thread's 16 columns of a quarter
+  // are 64 c + 8 j + 2 (lane % 4) + {0, 1}, j < 8.
+  const float* sb_wgrad = p.args.b_scales + static_cast<int64_t>(tile.k_begin / kBlockKFp8) * p.args.n +
+                          tile.n * kBlockN + 2 * (threadIdx.x & 3);
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
   // sb0 / sb1 + kb * sb_step: the scale of k-block kb.
   const float *sb0, *sb1;
   int sb_step = 1;
-  if constexpr (kBT) {
+  if constexpr (kWgrad) {
+    sb0 = sb1 = nullptr;  // per column: sb_wgrad
+  } else if constexpr (kBT) {
     const int nb = static_cast<int>(p.args.n / 128);
     sb0 = sb1 = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
     sb_step = nb;
@@ -119,12 +133,15 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   float tmp[2][32];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
-    const float b_s[2] = {__ldg(sb0 + kb * sb_step), __ldg(sb1 + kb * sb_step)};
+    float b_s[2] = {1.0f, 1.0f};
+    if constexpr (!kWgrad) b_s[0] = __ldg(sb0 + kb * sb_step), b_s[1] = __ldg(sb1 + kb * sb_step);
     float a_s[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
+      for (int q = 0; q < 2; ++q)
+        a_s[h][q] = kWgrad ? __ldg(sa_row + static_cast<int64_t>(kb) * p.args.m + 64 * h + 8 * q)
+                           : __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
     if (!ring.wait_full(waits, ps)) return false;
     const uint8_t* sa = smem + ps.stage() * kStageBytes;
     const uint8_t* sb = sa + kTileBytesA;
@@ -143,16 +160,25 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         wgmma_commit();
       }
       if (q > 0) {  // promote quarter q - 1 once its group is retired (q's may stay in flight)
+        const int pq = q - 1, h = pq >> 1, c = pq & 1;
+        float b_col[16];  // kWeightGrad: the quarter's column scales, loaded before the wait
+        if constexpr (kWgrad) {
+          const float* sbq = sb_wgrad + static_cast<int64_t>(kb) * p.args.n + 64 * c;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) b_col[2 * j] = __ldg(sbq + 8 * j), b_col[2 * j + 1] = __ldg(sbq + 8 * j + 1);
+        }
         if (q < 4) {
           wgmma_wait<1>();
         } else {
           wgmma_wait<0>();
         }
-        const int pq = q - 1, h = pq >> 1, c = pq & 1;
         float(&t)[32] = tmp[pq & 1];
         fence_accumulators(t);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) acc[h][32 * c + i] += t[i] * (a_s[h][(i >> 1) & 1] * b_s[c]);
+        for (int i = 0; i < 32; ++i) {
+          const float b = kWgrad ? b_col[2 * (i >> 2) + (i & 1)] : b_s[c];
+          acc[h][32 * c + i] += t[i] * (a_s[h][(i >> 1) & 1] * b);
+        }
       }
     }
     release(ps.stage());
@@ -188,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
   auto* cta_state = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
-  const TileScheduler<M> scheduler{p};
+  const TileScheduler<M, kFp8> scheduler{p};
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -433,8 +459,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       return internal_error("grouped GEMM: peer slot rows must be 16-byte aligned (bulk stores)");
   }
   if (args.fp8) {
-    if (args.mode == GemmMode::kWeightGrad)
-      return unimplemented("grouped GEMM: FP8 kWeightGrad is not built yet");
     if ((args.mode == GemmMode::kDownGrad || args.mode == GemmMode::kGateUpGrad) && !args.b_k_major)
       return invalid_argument("grouped GEMM: FP8 kDownGrad / kGateUpGrad read B K-major: set b_k_major (the block "
                               "quantizer's transposed copy) with b_scales [E, k / 128, n / 128]");
@@ -443,6 +467,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if (args.a_scales == nullptr || args.b_scales == nullptr)
       return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
     if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
+    if (args.mode == GemmMode::kWeightGrad && (args.a_rows != args.m || args.b_rows != args.n || args.a_cols != args.b_cols))
+      return invalid_argument("grouped GEMM: FP8 kWeightGrad reads A^T [m, C] and B^T [n, C] (quantize_e4m3_cols_t's "
+                              "q_t), with scales [C / 128, m] and [C / 128, n]");
   }
   KernelParams p;
   p.args = args;
@@ -480,6 +507,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     }
     if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {  // b_k_major: checked above
       if (args.fp8) return launch_mode<m, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kWeightGrad) {  // A^T and B^T, K-major; one CTA per tile (no pairs)
+      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
     if constexpr (ModeTraits<m>::kPairs) {
       if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);

@@ -61,7 +61,7 @@ struct GroupedGemmArgs {
   // read by default. The same products in the same order (bitwise the same
   // result); the path FP8 needs, whose wgmma reads K-major operands only.
   bool b_k_major = false;
-  // FP8 (kGateUp, kDown; kDownGrad and kGateUpGrad with b_k_major): a and b
+  // FP8 (kGateUp, kDown; kDownGrad and kGateUpGrad with b_k_major; kWeightGrad): a and b
   // are e4m3 (u8), both K-major, with fp32 block scales (cuda/fp8/quantize.h
   // writes these layouts):
   //   a_scales [a_rows, k / 128]   1 x 128 along K, one per pool row and k-block;
@@ -69,6 +69,11 @@ struct GroupedGemmArgs {
   //            (kGateUp, kDown); with b_k_major, the blocks of the untransposed
   //            weights, [E, k / 128, n / 128] (quantize_e4m3_blocks' scales, whose
   //            q_t is this b).
+  // kWeightGrad in FP8 reads both operands transposed, K-major (K = pool
+  // rows): a = A^T [m, C], b = B^T [n, C] (quantize_e4m3_cols_t), a_scales
+  // [C / 128, m] and b_scales [C / 128, n] (128 pool rows of one channel each;
+  // experts start on 128-row boundaries), promoted per element by
+  // a_scale(row) * b_scale(column); one CTA per tile (no pairs).
   // Each 128-long k-block is summed by wgmma into a temporary, then added to
   // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
   // every 128 K). K must be a multiple of 128. Epilogues are bf16's.

@@ -28,7 +28,8 @@ struct Tile {
   bool lower_half_used;
 };
 
-template <GemmMode M>
+// kFp8: k-blocks of 128 elements (one 128-byte e4m3 box row), else 64 (bf16).
+template <GemmMode M, bool kFp8 = false>
 struct TileScheduler {
   const KernelParams& p;
 
@@ -49,8 +50,10 @@ struct TileScheduler {
       tile.n = t % p.n_tiles;
       const int rows = p.args.plan.expert_rows[tile.expert];
       tile.k_begin = p.args.plan.expert_offset[tile.expert];
-      // K = the expert's rows, in 64-row blocks: a block of padding only (zeros) is skipped.
-      tile.k_blocks = (rows + kBlockK - 1) / kBlockK;
+      // K = the expert's rows, in 64-row (bf16) or 128-row (FP8) blocks: a
+      // block of padding only (zeros) is skipped.
+      constexpr int kb = kFp8 ? kBlockKFp8 : kBlockK;
+      tile.k_blocks = (rows + kb - 1) / kb;
       tile.lower_half_used = true;
     } else {
       tile.m = t / p.n_tiles;
