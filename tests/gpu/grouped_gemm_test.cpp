@@ -622,7 +622,7 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   g.mode = GemmMode::kDownGrad, g.b_k_major = true, g.b_rows = 100, g.b_cols = 2 * I, g.n = 100;  // n not whole 128s
   const Status st = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(st.code(), StatusCode::kOk) << st.to_string();
-  g.mode = GemmMode::kDown, g.n = H, g.k = 192, g.intermediate = 192;  // K not whole 128-blocks
+  g.mode = GemmMode::kDown, g.b_k_major = false, g.n = H, g.k = 192, g.intermediate = 192;  // K not whole 128-blocks
   g.a_scales = g.b_scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
   const Status k192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(k192.to_string().find("multiple of 128"), std::string::npos) << k192.to_string();

@@ -72,6 +72,17 @@ struct ModeTraits {
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
 
+// FP8 kWeightGrad scales its products per element (a row scale times a column
+// scale per 128-row k-block): the producer brings each k-block's 128 A and 128
+// B scales into a ring beside the stages, read from shared memory by the
+// promotion. Bytes per stage, and in all for a kernel with S stages.
+inline constexpr int kScaleStageBytes = 2 * 128 * 4;
+template <GemmMode M, bool kFp8>
+inline constexpr int kScaleRingBytes = M == GemmMode::kWeightGrad && kFp8 ? ModeTraits<M>::kStages * kScaleStageBytes : 0;
+static_assert(ModeTraits<GemmMode::kWeightGrad>::kSmemBytes + kScaleRingBytes<GemmMode::kWeightGrad, true> <=
+                  227 * 1024,
+              "FP8 kWeightGrad's scale ring exceeds shared memory");
+
 // The KernelId a timed-out wait of mode M reports.
 template <GemmMode M>
 constexpr uint32_t kernel_id() {

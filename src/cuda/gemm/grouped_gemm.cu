@@ -92,7 +92,7 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // false: a wait gave up (reported); the stage's wgmmas are retired.
 template <GemmMode M, bool kBT, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
-                                              const StageRing<S>& ring, const BoundedWait& waits,
+                                              const float* scale_ring, const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
   static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kWeightGrad ||
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
@@ -102,15 +102,10 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
-  // Its A scales: M-grouped, sa_row[64 h + 8 q) * kbs + kb]; kWeightGrad (A^T
-  // scaled per 128 pool rows of each of its m channels: [C / 128, m]),
-  // sa_row[(kb) * m + 64 h + 8 q], from the expert's first pool-row block.
-  const float* sa_row = kWgrad ? p.args.a_scales + static_cast<int64_t>(tile.k_begin / kBlockKFp8) * p.args.m + r0
-                               : p.args.a_scales + static_cast<int64_t>(r0) * kbs;
-  // kWeightGrad's B scales [C / 128, n]: this thread's 16 columns of a quarter
-  // are 64 c + 8 j + 2 (lane % 4) + {0, 1}, j < 8.
-  const float* sb_wgrad = p.args.b_scales + static_cast<int64_t>(tile.k_begin / kBlockKFp8) * p.args.n +
-                          tile.n * kBlockN + 2 * (threadIdx.x & 3);
+  // Its A scales (M-grouped): sa_row[(64 h + 8 q) * kbs + kb]. kWeightGrad
+  // scales A^T per row and B^T per column of each k-block: both from the
+  // stage's scale ring (the producer's bulk loads), [A 128 | B 128].
+  const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
   // sb0 / sb1 + kb * sb_step: the scale of k-block kb.
@@ -134,15 +129,22 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
-    if constexpr (!kWgrad) b_s[0] = __ldg(sb0 + kb * sb_step), b_s[1] = __ldg(sb1 + kb * sb_step);
     float a_s[2][2];
+    if constexpr (!kWgrad) {
+      b_s[0] = __ldg(sb0 + kb * sb_step), b_s[1] = __ldg(sb1 + kb * sb_step);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
-        a_s[h][q] = kWgrad ? __ldg(sa_row + static_cast<int64_t>(kb) * p.args.m + 64 * h + 8 * q)
-                           : __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
+        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
+    }
     if (!ring.wait_full(waits, ps)) return false;
+    const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad
+    if constexpr (kWgrad) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
+    }
     const uint8_t* sa = smem + ps.stage() * kStageBytes;
     const uint8_t* sb = sa + kTileBytesA;
 #pragma unroll
@@ -161,12 +163,6 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
       }
       if (q > 0) {  // promote quarter q - 1 once its group is retired (q's may stay in flight)
         const int pq = q - 1, h = pq >> 1, c = pq & 1;
-        float b_col[16];  // kWeightGrad: the quarter's column scales, loaded before the wait
-        if constexpr (kWgrad) {
-          const float* sbq = sb_wgrad + static_cast<int64_t>(kb) * p.args.n + 64 * c;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) b_col[2 * j] = __ldg(sbq + 8 * j), b_col[2 * j + 1] = __ldg(sbq + 8 * j + 1);
-        }
         if (q < 4) {
           wgmma_wait<1>();
         } else {
@@ -176,7 +172,8 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         fence_accumulators(t);
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
-          const float b = kWgrad ? b_col[2 * (i >> 2) + (i & 1)] : b_s[c];
+          // kWeightGrad: column 64 c + acc_col(i) of the tile, from the ring's B half.
+          const float b = kWgrad ? stage_scales[128 + 64 * c + acc_col(i)] : b_s[c];
           acc[h][32 * c + i] += t[i] * (a_s[h][(i >> 1) & 1] * b);
         }
       }
@@ -205,7 +202,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* epilogue_base = smem + S * kStageBytes;  // [2][Tr::kEpilogueBytes], one per consumer
+  // FP8 kWeightGrad: the scale ring [S][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
+  float* scale_ring = reinterpret_cast<float*>(smem + S * kStageBytes);
+  uint8_t* epilogue_base = smem + S * kStageBytes + kScaleRingBytes<M, kFp8>;  // [2][Tr::kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
@@ -257,9 +256,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (static_cast<int64_t>(ps.it) == stall_at) return;
           if (!ring.wait_empty(waits, ps)) return;
           uint64_t* full = &ring.full[ps.stage()];
-          mbar_arrive_expect_tx(full, kStageBytes);
+          mbar_arrive_expect_tx(full, kStageBytes + (kScaleRingBytes<M, kFp8> > 0 ? kScaleStageBytes : 0));
           uint8_t* stage = smem + ps.stage() * kStageBytes;
           load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+          if constexpr (kScaleRingBytes<M, kFp8> > 0) {  // this k-block's 128 row and 128 column scales
+            const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
+            float* dst = scale_ring + ps.stage() * (kScaleStageBytes / 4);
+            bulk_load(dst, p.args.a_scales + rb * p.args.m + tile.m * kBlockM, 512, full);
+            bulk_load(dst + 128, p.args.b_scales + rb * p.args.n + tile.n * kBlockN, 512, full);
+          }
         }
       }
       // Stay until both CTAs' consumers have released every stage: the
@@ -314,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      if (!fp8_main_loop<M, kBT>(p, tile, smem, ring, waits, ps, acc, release)) {
+      if (!fp8_main_loop<M, kBT>(p, tile, smem, scale_ring, ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
       }
@@ -400,12 +405,13 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  constexpr int kSmem = Tr::kSmemBytes + kScaleRingBytes<M, kFp8>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(num_sms);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = Tr::kSmemBytes;
+  cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cudaLaunchAttribute cluster{};
   if constexpr (kPair) {
@@ -470,6 +476,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if (args.mode == GemmMode::kWeightGrad && (args.a_rows != args.m || args.b_rows != args.n || args.a_cols != args.b_cols))
       return invalid_argument("grouped GEMM: FP8 kWeightGrad reads A^T [m, C] and B^T [n, C] (quantize_e4m3_cols_t's "
                               "q_t), with scales [C / 128, m] and [C / 128, n]");
+    if (args.mode == GemmMode::kWeightGrad &&
+        (reinterpret_cast<uintptr_t>(args.a_scales) % 16 != 0 || reinterpret_cast<uintptr_t>(args.b_scales) % 16 != 0))
+      return invalid_argument("grouped GEMM: FP8 kWeightGrad's scales must be 16-byte aligned (bulk copies)");
   }
   KernelParams p;
   p.args = args;
