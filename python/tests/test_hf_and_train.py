@@ -1,4 +1,5 @@
 """The Hugging Face Qwen3-MoE drop-in and the trainer."""
+import math
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,24 @@ def test_cuda_ep2_training_follows_the_one_gpu_run(tmp_path):
     # Then the runs drift only as far as bf16 data-parallel training does.
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 0.03, (one, two)
     assert two[-1] < two[0] - 0.5, two  # and it learns
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_fp8_training_tracks_bf16(tmp_path):
+    """precision fp8 and fp8_bwd on the GPU: the same model, data and seed as bf16; the first loss of
+    fp8_bwd is bf16's (its forward is BF16), fp8's within e4m3's error; all losses finite and falling."""
+    runs = {}
+    for precision in ("bf16", "fp8", "fp8_bwd"):
+        text = TINY.format(dispatch="mega_moe", precision=precision).replace('device = "cpu"', 'device = "cuda"')
+        text = text.replace("[trainer]\n", '[trainer]\ndtype = "bfloat16"\n')
+        cfg = train.load_config(write(tmp_path, text))
+        cfg.steps = 20
+        runs[precision] = [h["loss"] for h in train.train(cfg)]
+    bf16 = runs["bf16"]
+    assert abs(runs["fp8_bwd"][0] - bf16[0]) <= 1e-6 * abs(bf16[0]), runs
+    assert abs(runs["fp8"][0] - bf16[0]) <= 2e-2 * abs(bf16[0]), runs
+    for precision in ("fp8", "fp8_bwd"):
+        losses = runs[precision]
+        assert all(math.isfinite(v) for v in losses), runs
+        assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, runs
+        assert abs(losses[-1] - bf16[-1]) <= 0.1 * abs(bf16[-1]), runs

@@ -25,9 +25,12 @@ Status check_cuda_problem(const MoeProblem& p, const MoeOptions& o, bool expert_
     return invalid_argument("ep_size = " + std::to_string(p.ep_size) + ": expert parallelism runs 1 to 8 ranks");
   if (expert_parallel && o.save_policy != SavePolicy::kKeep)
     return unimplemented("save policy recompute with expert parallelism: the backward needs the forward's plan");
-  if (o.precision != Precision::kBF16)
+  if (o.precision == Precision::kMXFP8)
+    return unimplemented("precision mxfp8 needs Blackwell tensor cores (1x32 E8M0 block scaling); on Hopper only the "
+                         "CPU reference emulates it");
+  if (expert_parallel && o.precision != Precision::kBF16)
     return unimplemented(std::string("precision ") + to_string(o.precision) +
-                         " on backend cuda: only bf16 kernels exist so far (the CPU reference emulates the others)");
+                         " with expert parallelism: the FP8 layer runs on one GPU so far (FP8 over NVLink is not built)");
   if (o.device_timeout_ms <= 0) return invalid_argument("device_timeout_ms: must be positive");
   return Status::Ok();
 }
@@ -68,8 +71,10 @@ Status check_device_inputs(const MoeProblem& p, const MoeInputs& in) {
   return Status::Ok();
 }
 
-LayerDims dims_of(const MoeProblem& p) {
-  return LayerDims{p.num_tokens, p.hidden, p.intermediate, p.num_experts, p.top_k};
+LayerDims dims_of(const MoeProblem& p, const MoeOptions& o) {
+  LayerDims d{p.num_tokens, p.hidden, p.intermediate, p.num_experts, p.top_k};
+  d.precision = o.precision, d.fp8_scale = o.fp8_scale_mode;
+  return d;
 }
 
 cuda::LayerInputs layer_inputs(const MoeInputs& in) {
@@ -89,7 +94,7 @@ Status begin_call(const MoeProblem& p, const MoeOptions& o, const MoeInputs& in,
   const auto stream = static_cast<cudaStream_t>(o.cuda_stream);
   MEGAMOE_RETURN_IF_ERROR(cuda::take_device_error(device, stream));
   call->errors.timeout_ns = static_cast<uint64_t>(o.device_timeout_ms) * 1000000u;
-  return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p), device, stream, b, call,
+  return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p, o), device, stream, b, call,
                                   ep_owner != nullptr);
 }
 

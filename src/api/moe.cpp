@@ -62,7 +62,8 @@ Status moe_buffer_sizes(const MoeProblem& problem, const MoeOptions& options, bo
   MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
   if (problem.ep_size != 1)
     return unimplemented("moe_buffer_sizes: expert parallelism (ep_size > 1) has no CUDA layer yet");
-  const LayerDims d{problem.num_tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.top_k};
+  LayerDims d{problem.num_tokens, problem.hidden, problem.intermediate, problem.num_experts, problem.top_k};
+  d.precision = options.precision, d.fp8_scale = options.fp8_scale_mode;  // FP8's operand regions
   const bool saves = will_backward && options.save_policy == SavePolicy::kKeep;
   MoeBufferSizes sizes;
   if (saves) {
@@ -93,13 +94,13 @@ Status resolve_backend(const MoeOptions& options, Backend* chosen, std::string* 
     case Backend::kAuto: {
       std::string why;
       const bool gpu = detail::cuda_layer_available(&why);
-      if (gpu && options.precision == Precision::kBF16) {
+      if (gpu && options.precision != Precision::kMXFP8) {
         *chosen = Backend::kCUDA;
         *reason = "auto: CUDA device found, using cuda";
       } else {
         *chosen = Backend::kCPU;
         const std::string cause = gpu ? std::string("precision ") + to_string(options.precision) +
-                                            " has no CUDA kernels yet"
+                                            " needs Blackwell tensor cores"
                                       : "backend cuda: " + why;
         *reason = "auto: using cpu (" + cause + ")";
       }

@@ -101,6 +101,32 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
   out->a_pool = c.take(product(C, d.intermediate), 2);
   out->dz_pool = c.take(product(C, product(d.intermediate, 2)), 2);
   out->dw_partial = c.take(product(C, d.intermediate / 128), 4);
+  const bool fwd8 = d.precision == Precision::kFP8;
+  const bool bwd8 = fwd8 || d.precision == Precision::kFP8Bwd;
+  const int64_t H = d.hidden, I2 = product(d.intermediate, 2), E = d.num_experts;
+  auto rows_q = [&](Region* q, Region* s, int64_t cols, bool use) {  // 1 x 128 row tiles of a pool
+    *q = c.take(use ? product(C, cols) : 0, 1);
+    *s = c.take(use ? product(C, cols / 128) : 0, 4);
+  };
+  auto cols_t = [&](Region* q, Region* s, int64_t cols) {  // 128 x 1 tiles, transposed
+    *q = c.take(bwd8 ? product(cols, C) : 0, 1);
+    *s = c.take(bwd8 ? product(C / 128, cols) : 0, 4);
+  };
+  Fp8Layout& f = out->fp8;
+  rows_q(&f.x_q, &f.x_s, H, fwd8);
+  rows_q(&f.a_q, &f.a_s, d.intermediate, fwd8);
+  f.w13_q = c.take(bwd8 ? product(E, product(I2, H)) : 0, 1);
+  f.w13_s = c.take(bwd8 ? product(E, product(I2 / 128, H / 128)) : 0, 4);
+  f.w2_q = c.take(bwd8 ? product(E, product(H, d.intermediate)) : 0, 1);
+  f.w2_s = c.take(bwd8 ? product(E, product(H / 128, d.intermediate / 128)) : 0, 4);
+  f.w13_t = c.take(bwd8 ? product(E, product(I2, H)) : 0, 1);
+  f.w2_t = c.take(bwd8 ? product(E, product(H, d.intermediate)) : 0, 1);
+  rows_q(&f.dy_q, &f.dy_s, H, bwd8);
+  rows_q(&f.dz_q, &f.dz_s, I2, bwd8);
+  cols_t(&f.dy_t, &f.dy_ts, H);
+  cols_t(&f.wa_t, &f.wa_ts, d.intermediate);
+  cols_t(&f.dz_t, &f.dz_ts, I2);
+  cols_t(&f.x_t, &f.x_ts, H);
   out->slots = c.take(product(product(d.top_k, d.tokens), d.hidden), 2);
   if (!c.ok()) return too_large(d);
   out->bytes = c.end();

@@ -24,6 +24,8 @@
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w
+//   fp8           FP8 precisions only (Fp8Layout below): the e4m3 operands and their
+//                 scales, quantised in each call (empty for bf16)
 //   slots         bf16 [k, T, H]    forward: weighted expert outputs; backward: dx rows.
 //                                   Last, and absent (bytes_without_slots) from an
 //                                   expert-parallel owner's scratch: its GEMMs write
@@ -34,6 +36,7 @@
 #include <cstdint>
 
 #include "megamoe/status.h"
+#include "megamoe/types.h"
 
 namespace megamoe {
 
@@ -43,6 +46,9 @@ inline constexpr size_t kBufferAlign = 256;
 struct LayerDims {
   int64_t tokens = 0, hidden = 0, intermediate = 0;
   int num_experts = 0, top_k = 0;
+  // FP8 (e4m3, block scales) GEMMs: fp8 both ways, fp8_bwd in the backward only.
+  Precision precision = Precision::kBF16;
+  ScaleMode fp8_scale = ScaleMode::kFloat32;
 };
 
 struct Region {
@@ -54,12 +60,31 @@ struct SavedLayout {
   size_t bytes = 0;
 };
 
+// FP8 operands of one call (the recipe: reference/numerics.h; quantizers:
+// cuda/fp8/quantize.h), e4m3 u8 with f32 scales. Weights are quantised in
+// every call that uses them (no cache yet), in 128 x 128 blocks, with the
+// transposed copy the backward reads K-major. Empty regions where the
+// precision does not use them.
+//   forward (fp8):        x_q [C, H] + x_s [C, H/128], a_q [C, I] + a_s [C, I/128]
+//   both:                 w13_q [E, 2I, H] + w13_s [E, 2I/128, H/128], w2_q [E, H, I] + w2_s [E, H/128, I/128]
+//   backward (fp8, fp8_bwd): w13_t [E, H, 2I], w2_t [E, I, H] (the transposed copies),
+//                         dy_q [C, H] + dy_s, dz_q [C, 2I] + dz_s (rows, 1 x 128),
+//                         weight-gradient operands transposed, per 128 pool rows of each
+//                         channel: dy_t [H, C] + dy_ts [C/128, H], wa_t [I, C] + wa_ts,
+//                         dz_t [2I, C] + dz_ts, x_t [H, C] + x_ts
+struct Fp8Layout {
+  Region x_q, x_s, a_q, a_s, w13_q, w13_s, w2_q, w2_s, w13_t, w2_t, dy_q, dy_s, dz_q, dz_s, dy_t, dy_ts, wa_t, wa_ts,
+      dz_t, dz_ts, x_t, x_ts;
+};
+
 struct ScratchLayout {
   Region chunk_counts;
   bool holds_plan = false;  // the saved layout lives here (at plan_offset)
   size_t plan_offset = 0;
   SavedLayout plan;         // offsets relative to plan_offset
-  Region xdy_pool, a_pool, dz_pool, dw_partial, slots;
+  Region xdy_pool, a_pool, dz_pool, dw_partial;
+  Fp8Layout fp8;
+  Region slots;
   size_t bytes = 0;
   size_t bytes_without_slots = 0;  // = slots.offset
 };

@@ -46,6 +46,18 @@ Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
   return Status::Ok();
 }
 
+Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f) {
+  ScratchLayout sl;
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
+  const Fp8Layout& l = sl.fp8;
+  auto q = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.scratch, r) : nullptr; };
+  auto s = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.scratch, r) : nullptr; };
+  *f = Fp8Carved{q(l.x_q),   q(l.a_q),   q(l.w13_q), q(l.w2_q),  q(l.w13_t), q(l.w2_t),  q(l.dy_q),  q(l.dz_q),
+                 q(l.dy_t),  q(l.wa_t),  q(l.dz_t),  q(l.x_t),   s(l.x_s),   s(l.a_s),   s(l.w13_s), s(l.w2_s),
+                 s(l.dy_s),  s(l.dz_s),  s(l.dy_ts), s(l.wa_ts), s(l.dz_ts), s(l.x_ts)};
+  return Status::Ok();
+}
+
 int sm_count(int device) {
   static int counts[64] = {};
   if (device < 0 || device >= 64) return 132;

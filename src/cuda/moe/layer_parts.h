@@ -28,6 +28,14 @@ struct Carved {
 // The call's buffers (core/layer_buffers.h) as pointers.
 Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c);
 
+// The FP8 operands of a call (ScratchLayout::fp8) as pointers; null where the
+// call's precision has no such region.
+struct Fp8Carved {
+  uint8_t *x_q, *a_q, *w13_q, *w2_q, *w13_t, *w2_t, *dy_q, *dz_q, *dy_t, *wa_t, *dz_t, *x_t;
+  float *x_s, *a_s, *w13_s, *w2_s, *dy_s, *dz_s, *dy_ts, *wa_ts, *dz_ts, *x_ts;
+};
+Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f);
+
 int sm_count(int device);
 
 DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);

@@ -1,0 +1,90 @@
+#include "cuda/moe/fp8_parts.h"
+
+#include "cuda/fp8/quantize.h"
+#include "cuda/moe/layer_kernels.h"
+
+namespace megamoe::cuda::detail {
+namespace {
+
+Fp8Scale scale_of(const LayerCall& call) {
+  return call.dims.fp8_scale == ScaleMode::kPowerOfTwo ? Fp8Scale::kPowerOfTwo : Fp8Scale::kFloat32;
+}
+
+// g's operands become e4m3: A (with its row scales) and B (with its block scales).
+void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const uint8_t* b, const float* b_scales) {
+  g.fp8 = true;
+  g.a = a, g.a_scales = a_scales;
+  g.b = b, g.b_scales = b_scales;
+}
+
+}  // namespace
+
+Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                   const void* w13, void* z_pool, void* a_pool, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
+  const Fp8Scale sc = scale_of(call);
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w13, E, 2 * I, H, sc, f.w13_q, nullptr, f.w13_s, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream));
+  GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
+  use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
+  g.out0 = z_pool, g.out1 = a_pool;
+  return launch_grouped_gemm(g, sms, call.stream);
+}
+
+Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
+                const float* topk_weights, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
+  const Fp8Scale sc = scale_of(call);
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w2, E, H, I, sc, f.w2_q, nullptr, f.w2_s, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream));
+  GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, w2, E * H, I, H);
+  use_fp8(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
+  g.topk_weights = topk_weights;
+  g.out0 = c.slots;
+  return launch_grouped_gemm(g, sms, call.stream);
+}
+
+Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                           const void* w2, const void* w13, const float* topk_weights, float* d_topk, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
+  const Fp8Scale sc = scale_of(call);
+  // Weights: 128 x 128 blocks; the backward reads their transposed copies, K-major.
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w2, E, H, I, sc, f.w2_q, f.w2_t, f.w2_s, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w13, E, 2 * I, H, sc, f.w13_q, f.w13_t, f.w13_s, call.stream));
+  // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream));
+  GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
+  use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
+  gd.b_k_major = true;
+  gd.topk_weights = topk_weights;
+  gd.z_pool = c.pv.z_pool;
+  gd.out0 = c.dz_pool, gd.out1 = c.a_pool, gd.dw_partial = c.dw_partial;
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
+                                                d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
+  // dx slots = dz @ w13[e]: K = 2I; B = w13[e]^T as [E * H, 2I].
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream));
+  GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * H, 2 * I, H);
+  use_fp8(gx, f.dz_q, f.dz_s, f.w13_t, f.w13_s);
+  gx.b_k_major = true;
+  gx.out0 = c.slots;
+  return launch_grouped_gemm(gx, sms, call.stream);
+}
+
+Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
+                       uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
+                       const LayerGrads& grads, int sms) {
+  const Fp8Scale sc = scale_of(call);
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream));
+  GroupedGemmArgs g = weight_grad(call, plan, capacity, a, m, b, n, out, grads);
+  use_fp8(g, a_t, a_ts, b_t, b_ts);
+  g.a_rows = m, g.a_cols = capacity;
+  g.b_rows = n, g.b_cols = capacity;
+  return launch_grouped_gemm(g, sms, call.stream);
+}
+
+}  // namespace megamoe::cuda::detail

@@ -1,0 +1,35 @@
+// The FP8 steps of the one-GPU layer (cuda_layer.cu), DeepSeek-V3's recipe as
+// the CPU reference emulates it (reference/numerics.h): e4m3 operands, 1 x 128
+// row tiles along K for activations and output gradients, 128 x 128 blocks for
+// weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
+// fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
+// Quantisation runs as separate passes over the pools (not yet fused into the
+// epilogues), and the weights are quantised in every call that uses them (not
+// yet cached per optimizer step). Host code; async on the call's stream.
+#pragma once
+
+#include "cuda/moe/layer_parts.h"
+
+namespace megamoe::cuda::detail {
+
+// The forward's GEMMs over the gathered x pool: w13, w2 and x quantised, then
+// kGateUp (z into z_pool when not null, a into the a pool), a quantised, kDown
+// into the slots. Also the backward's recomputation of z (z_pool, a_pool null).
+Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                   const void* w13, void* z_pool, void* a_pool, int sms);
+Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
+                const float* topk_weights, int sms);
+
+// The backward's data-gradient GEMMs in FP8 over the pool holding dy (as
+// data_grad_gemms): both weights quantised with their transposed copies.
+Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                           const void* w2, const void* w13, const float* topk_weights, float* d_topk, int sms);
+
+// dW[e] = A^T B over each expert's pool rows in FP8, from the bf16 pools a
+// [C, m] and b [C, n], each quantised per 128 rows of each column first into
+// (a_t, a_ts) and (b_t, b_ts).
+Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
+                       uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
+                       const LayerGrads& grads, int sms);
+
+}  // namespace megamoe::cuda::detail
