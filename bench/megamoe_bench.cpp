@@ -29,17 +29,19 @@ int fail(const Status& st) {
 int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
                                             {"iters", "20"},            {"warmup", "3"},      {"json", ""},
-                                            {"wgrad", "f32"}};
+                                            {"wgrad", "f32"},           {"precision", "bf16"}};
   if (!bench::parse_options(argc, argv, &opt,
                             "megamoe-bench [--preset " + preset_names() +
-                                "] [--tokens N] [--save keep|recompute] [--iters N] [--warmup N] [--wgrad f32|bf16] "
-                                "[--json PATH]"))
+                                "] [--tokens N] [--save keep|recompute] [--precision bf16|fp8|fp8_bwd] [--iters N] "
+                                "[--warmup N] [--wgrad f32|bf16] [--json PATH]"))
     return 2;
   const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
   MoeOptions o;
   o.backend = Backend::kCUDA;
   Status st = parse_save_policy(opt["save"], &o.save_policy);
+  if (!st.ok()) return fail(st);
+  st = parse_precision(opt["precision"], &o.precision);
   if (!st.ok()) return fail(st);
   const int iters = std::atoi(opt["iters"].c_str()), warmup = std::atoi(opt["warmup"].c_str());
   const DType wgrad = opt["wgrad"] == "bf16" ? DType::kBF16 : DType::kF32;
@@ -90,8 +92,9 @@ int main(int argc, char** argv) {
   const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
   const double ws_gib = static_cast<double>(b.scratch_bytes + b.saved_bytes) / (1 << 30);
   const double io_gib = static_cast<double>(free0 - free1) / (1 << 30) / 2 - ws_gib / 2;  // one input/output set
-  std::printf("megamoe-bench: %s, %lld tokens, save %s, wgrad %s (medians of %d after %d warm-ups)\n", shape->name,
-              static_cast<long long>(p.num_tokens), to_string(o.save_policy), to_string(wgrad), iters, warmup);
+  std::printf("megamoe-bench: %s, %lld tokens, %s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
+              shape->name, static_cast<long long>(p.num_tokens), to_string(o.precision), to_string(o.save_policy),
+              to_string(wgrad), iters, warmup);
   std::printf("%-10s %10s %9s %8s\n", "phase", "ms", "TFLOPS", "%peak");
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "forward", fwd_ms, tf_f, 100 * tf_f / kPeakTflops);
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "backward", bwd_ms, tf_b, 100 * tf_b / kPeakTflops);
