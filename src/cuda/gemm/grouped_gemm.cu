@@ -178,6 +178,9 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         }
       }
     }
+    // kWeightGrad's lanes read the stage's scales with ordinary loads: all of a
+    // warp's reads are done before its leader gives the stage back.
+    if constexpr (kWgrad) __syncwarp();
     release(ps.stage());
   }
   return true;
