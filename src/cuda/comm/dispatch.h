@@ -60,8 +60,9 @@ struct DispatchLayout {
            (static_cast<size_t>(src) * max_tokens + token) * top_k * 4;
   }
   // The combine's return area (cuda/comm/combine.h): this rank's own routes'
-  // expert outputs, slots [j][t] of its own T tokens (the layout combine_slots
-  // reads), written by the owners. Its flags: combine flag [owner] at byte 64.
+  // expert outputs, slots [j][t] of [top_k][max_tokens] (combine_slots reads it
+  // with slot_tokens = max_tokens), written by the owners. Its flags: combine
+  // flag [owner] at byte 64.
   static constexpr size_t kCombineFlagsOffset = 64;
   MEGAMOE_HD size_t weights_offset(int src = 0, int64_t token = 0) const {
     return ids_offset(world, 0) + (static_cast<size_t>(src) * max_tokens + token) * top_k * 4;

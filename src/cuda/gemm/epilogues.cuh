@@ -200,6 +200,7 @@ struct SlotEpilogue {
       const int64_t v = src / k, j = src % k;
       if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
         const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
+        if (t >= peer.source_counts[rank]) return nullptr;  // a missing (-1) or inconsistent source gets nothing
         auto* rank_slots = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
         return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
       }

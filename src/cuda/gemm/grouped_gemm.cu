@@ -315,7 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       ps.advance(tile.k_blocks);
       continue;
     }
-    if (!order.wait_turn(waits, cw, mine, ps.it)) return;
+    if (!order.wait_turn(waits, cw, mine, ps.it)) {
+      bulk_wait_group<0>();  // the previous epilogue's stores still read shared memory
+      return;
+    }
     ++mine;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -460,8 +463,12 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     const GroupedGemmArgs::PeerSlots& ps = args.peer_slots;
     if (args.mode != GemmMode::kDown && args.mode != GemmMode::kGateUpGrad)
       return internal_error("grouped GEMM: peer_slots are for the slot-writing modes (kDown, kGateUpGrad)");
-    if (ps.tokens_per_rank <= 0 || args.plan.num_tokens % ps.tokens_per_rank != 0 ||
-        args.plan.num_tokens / ps.tokens_per_rank > 8)
+    if (ps.source_counts == nullptr)
+      return internal_error("grouped GEMM: peer_slots need the sources' token counts");
+    if (args.plan.num_tokens == 0) {
+      // No virtual tokens (every rank's max_tokens is 0): no tile, nothing to address.
+    } else if (ps.tokens_per_rank <= 0 || args.plan.num_tokens % ps.tokens_per_rank != 0 ||
+               args.plan.num_tokens / ps.tokens_per_rank > 8)
       return internal_error("grouped GEMM: peer_slots.tokens_per_rank must split the plan's virtual tokens into 1 to 8 "
                             "ranks");
     if (ps.offset % 16 != 0 || (args.n * 2) % 16 != 0)

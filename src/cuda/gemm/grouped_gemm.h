@@ -90,10 +90,14 @@ struct GroupedGemmArgs {
   // token v = s * tokens_per_rank + t, lands at bf16 element
   // ((j * tokens_per_rank + t) * n) of rank_buffers[s] + offset. rank_buffers
   // is the peer view's device array [world]; null: out0, as on one GPU.
+  // source_counts [world]: each source's token count this call (-1: missing);
+  // rows of a source at or past its count are not written, so a source that
+  // is missing or was judged inconsistent receives nothing.
   struct PeerSlots {
     void* const* rank_buffers = nullptr;
     size_t offset = 0;
     int64_t tokens_per_rank = 0;
+    const int64_t* source_counts = nullptr;
   } peer_slots;
   void* out1 = nullptr;  // kGateUp: a_pool | kDownGrad: wa_pool [capacity, I]
   float* dw_partial = nullptr;  // kDownGrad: [capacity, I / 128]

@@ -79,6 +79,7 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
 }
 
 Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, const LayerBuffers& buffers) {
+  if (call.slots_at_sources) return invalid_argument("layer_forward: an expert-parallel owner's call (no slots region)");
   const LayerDims& d = call.dims;
   Carved c;
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));
@@ -113,6 +114,7 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
 
 Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* dy, const LayerGrads& grads,
                       const LayerBuffers& buffers) {
+  if (call.slots_at_sources) return invalid_argument("layer_backward: an expert-parallel owner's call (no slots region)");
   const LayerDims& d = call.dims;
   Carved c;
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));

@@ -48,11 +48,13 @@ size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
 // straight into its source rank's return area (over NVLink for another GPU's):
 // no copy of the k x V x H slot rows after the GEMM, and the transfer overlaps
 // the GEMM's own compute.
-GroupedGemmArgs::PeerSlots return_slots(const EpGroup& ep) {
+// source_counts: this call's counts (the backward's reconciled with its forward's).
+GroupedGemmArgs::PeerSlots return_slots(const EpGroup& ep, const int64_t* source_counts) {
   GroupedGemmArgs::PeerSlots p;
   p.rank_buffers = ep.view.peers;
   p.offset = ep.layout.combine_slots_offset();
   p.tokens_per_rank = ep.layout.max_tokens;
+  p.source_counts = source_counts;
   return p;
 }
 
@@ -162,14 +164,11 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
   GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
   g2.topk_weights = weights;
-  g2.peer_slots = return_slots(ep);
+  g2.peer_slots = return_slots(ep, kept.source_counts);
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
 
-  // The rows are in their sources' slots: only the flags go out.
-  CombineArgs ca;
-  ca.outputs = nullptr, ca.virtual_idx = kept.virtual_idx, ca.source_counts = kept.source_counts;
-  ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
-  return combine_push(ep.view, ep.layout, ca, call.stream);
+  // The rows are in their sources' slots (after the GEMM, in stream order): only the flags go out.
+  return combine_signal(ep.view, ep.layout, kept.source_counts, ep.epoch, call.stream);
 }
 
 Status ep_forward_combine(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens, void* y) {
@@ -277,7 +276,7 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
 
   // As layer_backward, over the virtual tokens: ga = dy @ w2[e]; fused d topk_w
   // partials, dz, topk_w * a; then dx slots = dz @ w13[e]; dW2 = dy^T (w a).
-  const GroupedGemmArgs::PeerSlots dx_slots = return_slots(ep);
+  const GroupedGemmArgs::PeerSlots dx_slots = return_slots(ep, s.source_counts);
   MEGAMOE_RETURN_IF_ERROR(
       detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms, &dx_slots));
   // dx rows are in their sources' slots; d topk_w and the flags go back before

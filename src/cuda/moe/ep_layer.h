@@ -105,8 +105,9 @@ LayerDims ep_owner_dims(const EpGroup& ep, int64_t intermediate);
 
 // `in`: this rank's x [tokens, H], topk_idx [tokens, k] (global ids),
 // topk_weights [tokens, k], and its local w13 [L, 2I, H], w2 [L, H, I].
-// owner_call from prepare_layer_call(ep_owner_dims(...)) with the buffers it
-// will get; y [tokens, H].
+// owner_call from prepare_layer_call(ep_owner_dims(...), ..., slots_at_sources
+// = true) with the buffers it will get (scratch: bytes_without_slots: the
+// owner's slot rows go to the sources); y [tokens, H].
 Status ep_forward_send(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens);
 // With owner_buffers.saved (saved_layout(ep_owner_dims)) and ep_saved
 // (ep_saved_layout), what the backward needs is kept; without both, nothing
