@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 }
 
 // The FP8 main loop of one tile (kGateUp, kDown; kDownGrad and kGateUpGrad
-// with B transposed, kBT). Each 128-long k-block is
+// with B transposed, kBT; kWeightGrad with both transposed). Each 128-long k-block is
 // summed in four quarters (q: rows [64h, 64h + 64) with h = q / 2, columns
 // [64c, 64c + 64) with c = q % 2), each by wgmma into a 32-register
 // temporary (scale_d = 0 starts it afresh), then added to its part of acc
@@ -483,6 +483,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if (args.a_scales == nullptr || args.b_scales == nullptr)
       return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
     if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
+    if (args.mode == GemmMode::kWeightGrad && (args.m % 128 != 0 || args.a_cols % 128 != 0))
+      return internal_error("grouped GEMM: FP8 kWeightGrad needs m and the pool rows to be whole 128-row blocks");
+    if (args.mode != GemmMode::kWeightGrad && (args.a_cols != args.k || (!args.b_k_major && args.b_cols != args.k)))
+      return internal_error("grouped GEMM: FP8's A (and a K-major B) must have k columns (their scales are k / 128 wide)");
     if (args.mode == GemmMode::kWeightGrad && (args.a_rows != args.m || args.b_rows != args.n || args.a_cols != args.b_cols))
       return invalid_argument("grouped GEMM: FP8 kWeightGrad reads A^T [m, C] and B^T [n, C] (quantize_e4m3_cols_t's "
                               "q_t), with scales [C / 128, m] and [C / 128, n]");

@@ -72,7 +72,8 @@ struct GroupedGemmArgs {
   // kWeightGrad in FP8 reads both operands transposed, K-major (K = pool
   // rows): a = A^T [m, C], b = B^T [n, C] (quantize_e4m3_cols_t), a_scales
   // [C / 128, m] and b_scales [C / 128, n] (128 pool rows of one channel each;
-  // experts start on 128-row boundaries), promoted per element by
+  // it relies on every expert starting on a 128-row boundary of the pool, as
+  // the device plan lays them out), promoted per element by
   // a_scale(row) * b_scale(column); one CTA per tile (no pairs).
   // Each 128-long k-block is summed by wgmma into a temporary, then added to
   // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
