@@ -200,6 +200,19 @@ int main(int argc, char** argv) {
     if (ph == 1) return cuda::ep_forward_experts(R.call, ep_of(r), in, T, R.buffers);
     return cuda::ep_forward_combine(R.call, ep_of(r), in, T, y);
   });
+  // Waits for every rank's stop event; the slowest rank's start-to-stop ms.
+  auto slowest_rank_ms = [&] {
+    double worst = 0;
+    for (int r = 0; r < P && st.ok(); ++r) {
+      Rank& R = *ranks[static_cast<size_t>(r)];
+      st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+      float ms = 0;
+      if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
+      if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
+      worst = std::max(worst, static_cast<double>(ms));
+    }
+    return worst;
+  };
   // The dispatch alone, then the rest of the forward so that the buffer's
   // protocol stays in step (only the first phase is inside the events).
   std::vector<double> push_ms;
@@ -207,7 +220,6 @@ int main(int argc, char** argv) {
     std::vector<double> samples;
     for (int it = 0; it < warmup + iters && st.ok(); ++it) {
       ++epoch;
-      double worst = 0;
       for (int r = 0; r < P && st.ok(); ++r) {
         Rank& R = *ranks[static_cast<size_t>(r)];
         st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
@@ -223,15 +235,7 @@ int main(int argc, char** argv) {
             st = ph == 1 ? cuda::ep_forward_experts(R.call, ep_of(r), inputs(r, false), T, R.buffers)
                          : cuda::ep_forward_combine(R.call, ep_of(r), inputs(r, false), T, R.dev.y.view().data);
         }
-      for (int r = 0; r < P && st.ok(); ++r) {
-        Rank& R = *ranks[static_cast<size_t>(r)];
-        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
-        float ms = 0;
-        if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
-        if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
-        worst = std::max(worst, static_cast<double>(ms));
-      }
-      if (it >= warmup) samples.push_back(worst);
+      if (it >= warmup) samples.push_back(slowest_rank_ms());
     }
     push_ms.push_back(median(samples));
   }
@@ -242,7 +246,6 @@ int main(int argc, char** argv) {
     const cuda::EpScratchLayout sl = cuda::ep_scratch_layout(layout);
     std::vector<double> samples;
     for (int it = 0; it < warmup + iters && st.ok(); ++it) {
-      double worst = 0;
       for (int r = 0; r < P && st.ok(); ++r) {
         Rank& R = *ranks[static_cast<size_t>(r)];
         auto* base = static_cast<char*>(R.ep_scratch.p);
@@ -256,15 +259,7 @@ int main(int argc, char** argv) {
         if (st.ok()) st = cuda::combine_push(group->view(r), layout, ca, nullptr);
         if (st.ok()) st = cuda_ok(cudaEventRecord(R.stop, nullptr), "record");
       }
-      for (int r = 0; r < P && st.ok(); ++r) {
-        Rank& R = *ranks[static_cast<size_t>(r)];
-        st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
-        float ms = 0;
-        if (st.ok()) st = cuda_ok(cudaEventSynchronize(R.stop), "sync");
-        if (st.ok()) st = cuda_ok(cudaEventElapsedTime(&ms, R.start, R.stop), "elapsed");
-        worst = std::max(worst, static_cast<double>(ms));
-      }
-      if (it >= warmup) samples.push_back(worst);
+      if (it >= warmup) samples.push_back(slowest_rank_ms());
     }
     return_ms = median(samples);
   }
