@@ -78,6 +78,53 @@ TEST(LayerBuffers, SlotsAreTheTailAnEpOwnerLeavesOut) {
   }
 }
 
+// FP8's operand regions: none for bf16, the backward's only for fp8_bwd, all
+// for fp8; each as large as what its quantizer writes; slots stay the tail.
+TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
+  const LayerDims bf = qwen3_30b(4096);
+  LayerDims f8 = bf, f8b = bf;
+  f8.precision = Precision::kFP8, f8b.precision = Precision::kFP8Bwd;
+  ScratchLayout s16, s8, s8b;
+  ASSERT_TRUE(scratch_layout(bf, false, &s16).ok());
+  ASSERT_TRUE(scratch_layout(f8, false, &s8).ok());
+  ASSERT_TRUE(scratch_layout(f8b, false, &s8b).ok());
+  int64_t C = 0;
+  ASSERT_TRUE(pool_capacity(bf, &C).ok());
+  const int64_t H = 2048, I = 768, E = 128;
+  auto regions = [](const Fp8Layout& f) {
+    return std::vector<Region>{f.x_q,  f.x_s,   f.a_q,  f.a_s,   f.w13_q, f.w13_s, f.w2_q, f.w2_s,
+                               f.w13_t, f.w2_t, f.dy_q, f.dy_s,  f.dz_q,  f.dz_s,  f.dy_t, f.dy_ts,
+                               f.wa_t, f.wa_ts, f.dz_t, f.dz_ts, f.x_t,   f.x_ts};
+  };
+  for (const Region& r : regions(s16.fp8)) EXPECT_EQ(r.bytes, 0u);
+  // fp8: every region, sized as its writer fills it.
+  const Fp8Layout& f = s8.fp8;
+  EXPECT_EQ(f.x_q.bytes, static_cast<size_t>(C * H));
+  EXPECT_EQ(f.x_s.bytes, static_cast<size_t>(C * (H / 128) * 4));
+  EXPECT_EQ(f.a_q.bytes, static_cast<size_t>(C * I));
+  EXPECT_EQ(f.w13_q.bytes, static_cast<size_t>(E * 2 * I * H));
+  EXPECT_EQ(f.w13_t.bytes, f.w13_q.bytes);
+  EXPECT_EQ(f.w13_s.bytes, static_cast<size_t>(E * (2 * I / 128) * (H / 128) * 4));
+  EXPECT_EQ(f.w2_t.bytes, static_cast<size_t>(E * H * I));
+  EXPECT_EQ(f.dz_q.bytes, static_cast<size_t>(C * 2 * I));
+  EXPECT_EQ(f.dz_t.bytes, static_cast<size_t>(2 * I * C));
+  EXPECT_EQ(f.dz_ts.bytes, static_cast<size_t>((C / 128) * 2 * I * 4));
+  EXPECT_EQ(f.wa_ts.bytes, static_cast<size_t>((C / 128) * I * 4));
+  // fp8_bwd: the forward's activation regions are empty, the backward's are there.
+  EXPECT_EQ(s8b.fp8.x_q.bytes, 0u);
+  EXPECT_EQ(s8b.fp8.a_q.bytes, 0u);
+  EXPECT_EQ(s8b.fp8.dy_q.bytes, f.dy_q.bytes);
+  EXPECT_EQ(s8b.fp8.x_t.bytes, f.x_t.bytes);
+  std::vector<Region> all = {s8.chunk_counts, s8.xdy_pool, s8.a_pool, s8.dz_pool, s8.dw_partial};
+  for (const Region& r : regions(s8.fp8))
+    if (r.bytes > 0) all.push_back(r);
+  all.push_back(s8.slots);
+  expect_disjoint_and_aligned(all, s8.bytes);
+  for (const Region& r : regions(s8.fp8)) EXPECT_LE(r.offset + r.bytes, s8.bytes_without_slots);
+  EXPECT_GT(s8.bytes, s8b.bytes);
+  EXPECT_GT(s8b.bytes, s16.bytes);
+}
+
 TEST(LayerBuffers, GrowWithTokens) {
   size_t last_saved = 0, last_scratch = 0;
   for (int64_t t : {1, 100, 256, 257, 4096, 16384}) {
