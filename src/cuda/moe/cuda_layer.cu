@@ -42,6 +42,42 @@ Status check_hopper(int device) {
   return verdict[device] == 1 ? Status::Ok() : unimplemented("backend cuda: the kernels need a Hopper GPU (sm_90)");
 }
 
+bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
+bool fp8_backward(const LayerDims& d) { return d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd; }
+
+// GEMM1 + SwiGLU over the gathered x pool in the forward's precision: z into
+// z_pool, a into a_pool (either may be null).
+Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w13,
+               void* z_pool, void* a_pool, int sms) {
+  if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, w13, z_pool, a_pool, sms);
+  const LayerDims& d = call.dims;
+  GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
+                                d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
+  g.out0 = z_pool, g.out1 = a_pool;
+  return launch_grouped_gemm(g, sms, call.stream);
+}
+
+// GEMM2 x routing weight into the slots, in the forward's precision.
+Status down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
+            const float* topk_weights, int sms) {
+  if (fp8_forward(call.dims)) return fp8_down(call, plan, c, f, w2, topk_weights, sms);
+  const LayerDims& d = call.dims;
+  GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, c.capacity, c.a_pool, d.intermediate, w2,
+                                d.num_experts * d.hidden, d.intermediate, d.hidden);
+  g.topk_weights = topk_weights, g.out0 = c.slots;
+  return launch_grouped_gemm(g, sms, call.stream);
+}
+
+// dW[e] = A^T B over each expert's pool rows (a [C, m], b [C, n]) in the
+// backward's precision; FP8 quantises them first into (a_t, a_ts), (b_t, b_ts).
+Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
+                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
+                        const LayerGrads& grads, int sms) {
+  if (fp8_backward(call.dims))
+    return fp8_weight_grad(call, plan, capacity, a, m, a_t, a_ts, b, n, b_t, b_ts, out, grads, sms);
+  return launch_grouped_gemm(weight_grad(call, plan, capacity, a, m, b, n, out, grads), sms, call.stream);
+}
+
 }  // namespace
 
 Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream, const LayerBuffers& buffers,
@@ -83,30 +119,17 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   const LayerDims& d = call.dims;
   Carved c;
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));
-  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity, T = d.tokens;
+  Fp8Carved f;  // null regions unless the precision quantises
+  MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
+  const int64_t H = d.hidden, C = c.capacity, T = d.tokens;
   const int sms = sm_count(call.device);
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = device_plan(c.pv.plan, d);
   MEGAMOE_RETURN_IF_ERROR(
       gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
   void* z_keep = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
-
-  if (d.precision == Precision::kFP8) {
-    Fp8Carved f;
-    MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
-    MEGAMOE_RETURN_IF_ERROR(fp8_gate_up(call, plan, c, f, in.w13, z_keep, c.a_pool, sms));
-    MEGAMOE_RETURN_IF_ERROR(fp8_down(call, plan, c, f, in.w2, in.topk_weights, sms));
-  } else {  // bf16 (and fp8_bwd's forward)
-    GroupedGemmArgs g1 = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, E * 2 * I, H, I);
-    g1.out0 = z_keep;
-    g1.out1 = c.a_pool;
-    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
-
-    GroupedGemmArgs g2 = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, E * H, I, H);
-    g2.topk_weights = in.topk_weights;
-    g2.out0 = c.slots;
-    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
-  }
+  MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.w13, z_keep, c.a_pool, sms));
+  MEGAMOE_RETURN_IF_ERROR(down(call, plan, c, f, in.w2, in.topk_weights, sms));
 
   return combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key, call.errors, y,
                        call.stream);
@@ -118,30 +141,23 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   const LayerDims& d = call.dims;
   Carved c;
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));
-  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity, T = d.tokens;
+  Fp8Carved f;  // null regions unless the precision quantises
+  MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
+  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity, T = d.tokens;
   const int sms = sm_count(call.device);
   const DevicePlan plan = device_plan(c.pv.plan, d);
-  const bool fp8 = d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd;  // the backward's GEMMs
-  Fp8Carved f{};
-  if (fp8) MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
 
   if (buffers.saved == nullptr) {  // nothing saved: rebuild the plan and z in scratch, as the forward made it
     MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-    if (d.precision == Precision::kFP8) {
-      MEGAMOE_RETURN_IF_ERROR(fp8_gate_up(call, plan, c, f, in.w13, c.pv.z_pool, nullptr, sms));
-    } else {
-      GroupedGemmArgs g1 = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, E * 2 * I, H, I);
-      g1.out0 = c.pv.z_pool;
-      MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
-    }
+    MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.w13, c.pv.z_pool, nullptr, sms));
   }
   // xdy_pool now takes dy (x is gathered again for dW13 at the end).
   MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
 
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
-  if (fp8) {
+  if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
         fp8_data_grad_gemms(call, plan, c, f, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   } else {
@@ -153,20 +169,12 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
                                         call.errors, grads.dx, call.stream));
 
   // dW2[e] = dy^T (w a); then x back into the pool for dW13[e] = dz^T x.
-  if (fp8) {
-    MEGAMOE_RETURN_IF_ERROR(fp8_weight_grad(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
-                                            f.wa_ts, grads.dw2, grads, sms));
-  } else {
-    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads),
-                                                sms, call.stream));
-  }
+  MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
+                                           f.wa_ts, grads.dw2, grads, sms));
   MEGAMOE_RETURN_IF_ERROR(
       gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-  if (fp8)
-    return fp8_weight_grad(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t, f.x_ts, grads.dw13,
-                           grads, sms);
-  return launch_grouped_gemm(weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads), sms,
-                             call.stream);
+  return weight_grad_gemm(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t, f.x_ts, grads.dw13,
+                          grads, sms);
 }
 
 }  // namespace megamoe::cuda
