@@ -151,8 +151,15 @@ int run(int argc, char** argv) {
 
   Backend backend;
   std::string reason;
-  st = resolve_backend(options, &backend, &reason);
-  if (!st.ok()) return fail(st);
+  // The CLI runs expert parallelism as the CPU reference's P-rank simulation only: auto picks the CPU
+  // for it, and an explicit --backend cuda is refused below with where the GPU path lives.
+  if (ep > 1 && options.backend == Backend::kAuto) {
+    backend = Backend::kCPU;
+    reason = "auto: --ep-size > 1 is simulated on the cpu reference (the CLI does not drive several GPUs)";
+  } else {
+    st = resolve_backend(options, &backend, &reason);
+    if (!st.ok()) return fail(st);
+  }
   if (backend == Backend::kCUDA) {
     std::string why;
     if (cuda::device_count(&why) == 0) return fail(unavailable("backend cuda: " + why));
@@ -180,7 +187,9 @@ int run(int argc, char** argv) {
               to_string(options.precision), to_string(options.save_policy));
   std::printf("backend: %s\n", reason.c_str());
   if (backend == Backend::kCUDA && problem.ep_size > 1)
-    return fail(unimplemented("--ep-size > 1 with backend cuda: multi-GPU expert parallelism is not implemented yet"));
+    return fail(unimplemented("--ep-size > 1 with backend cuda: the CLI simulates ranks on the cpu only; expert "
+                              "parallelism on GPUs runs through megamoe-ep-bench (one process, several GPUs) or "
+                              "torchrun -m megamoe.train with an ep config"));
   if (backend == Backend::kCUDA) std::printf("device: %s\n", cuda::device_description(0).c_str());
 
   // Host copies of every rank's inputs and outputs (bf16 activations, fp32 weight gradients) must fit

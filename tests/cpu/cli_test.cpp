@@ -45,6 +45,12 @@ TEST(Cli, SimulatedRanksAndFp8) {
   const Result r = run_cli("run --preset tiny --tokens 64 --ep-size 2 --precision fp8 --save recompute");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_TRUE(has(r, "EP 2, precision fp8, save recompute")) << r.output;
+  // auto picks the cpu for simulated ranks, with or without a GPU, and says so
+  EXPECT_TRUE(has(r, "--ep-size > 1 is simulated on the cpu reference")) << r.output;
+  // an explicit cuda backend is refused, naming where expert parallelism on GPUs runs (or why cuda cannot run)
+  const Result c = run_cli("run --preset tiny --tokens 64 --ep-size 2 --backend cuda");
+  EXPECT_NE(c.status, 0) << c.output;
+  EXPECT_TRUE(has(c, "megamoe-ep-bench") || has(c, "backend cuda:")) << c.output;
 }
 
 TEST(Cli, AutoSaysWhichBackendAndWhy) {

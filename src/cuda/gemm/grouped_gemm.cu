@@ -178,10 +178,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         }
       }
     }
-    // kWeightGrad's lanes read the stage's scales with ordinary loads: all of a
-    // warp's reads are done before its leader gives the stage back.
-    if constexpr (kWgrad) __syncwarp();
-    release(ps.stage());
+    release(ps.stage());  // kWeightGrad: every lane (its own scale reads), see kLaneRelease
   }
   return true;
 }
@@ -218,11 +215,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
+  // FP8 kWeightGrad's lanes read the stage's scale ring with ordinary loads
+  // (the other stages are read by wgmma only): each lane's arrival orders its
+  // own reads before the producer's next bulk copy into the slot. A warp
+  // leader's arrival after __syncwarp is enough under the PTX memory model,
+  // but compute-sanitizer racecheck does not see it (hazards, session 20).
+  constexpr bool kLaneRelease = M == GemmMode::kWeightGrad && kFp8;
+  static_assert(!(kLaneRelease && kPair), "FP8 kWeightGrad runs one CTA per tile");
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], kPair ? 8 : 4);  // one arrival per warp of the consumer(s) that read the stage
+      // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
+      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair ? 8 : 4);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -288,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool warp_leader = (threadIdx.x & 31) == 0;
   // A warp gives stage s back to this CTA's producer and, in a pair, to the peer's.
   auto release = [&](int s) {
-    if (!warp_leader) return;
+    if (!kLaneRelease && !warp_leader) return;
     mbar_arrive(&ring.empty[s]);
     if constexpr (kPair) mbar_arrive_cluster(&ring.empty[s], rank ^ 1u);
   };
