@@ -29,11 +29,14 @@ int fail(const Status& st) {
 int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
                                             {"iters", "20"},            {"warmup", "3"},      {"json", ""},
-                                            {"wgrad", "f32"},           {"precision", "bf16"}};
+                                            {"wgrad", "f32"},           {"precision", "bf16"},
+                                            {"fp8-weights", "step"}};
   if (!bench::parse_options(argc, argv, &opt,
                             "megamoe-bench [--preset " + preset_names() +
                                 "] [--tokens N] [--save keep|recompute] [--precision bf16|fp8|fp8_bwd] [--iters N] "
-                                "[--warmup N] [--wgrad f32|bf16] [--json PATH]"))
+                                "[--warmup N] [--wgrad f32|bf16] [--fp8-weights step|cached] [--json PATH]\n"
+                                "  --fp8-weights step: every forward quantises the weights (one optimizer step per "
+                                "forward + backward); cached: the weights never change, quantised once"))
     return 2;
   const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
@@ -45,6 +48,9 @@ int main(int argc, char** argv) {
   if (!st.ok()) return fail(st);
   const int iters = std::atoi(opt["iters"].c_str()), warmup = std::atoi(opt["warmup"].c_str());
   const DType wgrad = opt["wgrad"] == "bf16" ? DType::kBF16 : DType::kF32;
+  if (opt["fp8-weights"] != "step" && opt["fp8-weights"] != "cached")
+    return fail(invalid_argument("--fp8-weights: expected step or cached, got '" + opt["fp8-weights"] + "'"));
+  const bool weights_cached = opt["fp8-weights"] == "cached";
 
   MoeProblem p;
   p.num_tokens = std::atoll(opt["tokens"].c_str());
@@ -56,10 +62,16 @@ int main(int argc, char** argv) {
 
   size_t free0 = 0, total = 0;
   cudaMemGetInfo(&free0, &total);
-  testing::DeviceBuffers buffers;
+  // One FP8 weight buffer per input set (their weights differ); scratch and saved shared.
+  testing::DeviceBuffers buffers, second_weights;
   st = testing::make_device_buffers(p, o, true, 0, &buffers);
+  if (st.ok()) st = testing::make_device_buffers(p, o, false, 0, &second_weights);
   if (!st.ok()) return fail(st);
-  const MoeBuffers b = buffers.view();
+  second_weights.scratch = testing::DeviceTensor();
+  MoeBuffers bs[2] = {buffers.view(), buffers.view()};
+  bs[1].fp8_weights = second_weights.fp8_weights.view().data;
+  const MoeBuffers& b = bs[0];
+  bool filled[2] = {false, false};
   testing::DeviceLayer sets[2];
   for (int s = 0; s < 2; ++s) {
     testing::LayerSpec spec;
@@ -73,13 +85,18 @@ int main(int argc, char** argv) {
 
   int cur = 0;
   MoeSaved saved;
+  // FP8 weights: a forward quantises them unless they are cached and filled; a backward uses its forward's.
   auto fwd = [&] {
     testing::DeviceLayer& d = sets[cur];
-    if (st.ok()) st = moe_forward(p, o, d.inputs(), d.y.view(), &saved, &b);
+    bs[cur].fp8_weights_ready = weights_cached && filled[cur];
+    if (st.ok()) st = moe_forward(p, o, d.inputs(), d.y.view(), &saved, &bs[cur]);
+    filled[cur] = true;
   };
   auto bwd = [&] {
     testing::DeviceLayer& d = sets[cur];
-    if (st.ok()) st = moe_backward(p, o, d.inputs(), d.dy.view(), saved, d.grads(), &b);
+    bs[cur].fp8_weights_ready = filled[cur];
+    if (st.ok()) st = moe_backward(p, o, d.inputs(), d.dy.view(), saved, d.grads(), &bs[cur]);
+    filled[cur] = true;
   };
   auto rotate = [&] { cur ^= 1; };
   const double fwd_ms = testing::median_ms([&] { rotate(), fwd(); }, warmup, iters, nullptr);
@@ -92,23 +109,29 @@ int main(int argc, char** argv) {
   const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
   const double ws_gib = static_cast<double>(b.scratch_bytes + b.saved_bytes) / (1 << 30);
   const double io_gib = static_cast<double>(free0 - free1) / (1 << 30) / 2 - ws_gib / 2;  // one input/output set
-  std::printf("megamoe-bench: %s, %lld tokens, %s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
-              shape->name, static_cast<long long>(p.num_tokens), to_string(o.precision), to_string(o.save_policy),
-              to_string(wgrad), iters, warmup);
+  const bool fp8 = b.fp8_weights_bytes > 0;
+  std::printf("megamoe-bench: %s, %lld tokens, %s%s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
+              shape->name, static_cast<long long>(p.num_tokens), to_string(o.precision),
+              !fp8 ? "" : weights_cached ? " (weights quantised once, cached)" : " (weights quantised in each forward)",
+              to_string(o.save_policy), to_string(wgrad), iters, warmup);
   std::printf("%-10s %10s %9s %8s\n", "phase", "ms", "TFLOPS", "%peak");
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "forward", fwd_ms, tf_f, 100 * tf_f / kPeakTflops);
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "backward", bwd_ms, tf_b, 100 * tf_b / kPeakTflops);
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "fwd+bwd", both_ms, tf_fb, 100 * tf_fb / kPeakTflops);
-  std::printf("device memory: scratch + saved %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB\n", ws_gib, io_gib);
+  std::printf("device memory: scratch + saved %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB", ws_gib, io_gib);
+  if (fp8) std::printf(" + the layer's fp8 weights %.2f GiB", static_cast<double>(b.fp8_weights_bytes) / (1 << 30));
+  std::printf(" (allocation sizes)\n");
   if (!opt["json"].empty()) {
     FILE* f = std::fopen(opt["json"].c_str(), "w");
     if (f != nullptr) {
       std::fprintf(f,
                    "{\"preset\": \"%s\", \"tokens\": %lld, \"save\": \"%s\", \"forward_ms\": %.4f, "
                    "\"backward_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"forward_tflops\": %.2f, \"backward_tflops\": %.2f, "
-                   "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"scratch_bytes\": %zu, \"saved_bytes\": %zu}\n",
+                   "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"scratch_bytes\": %zu, \"saved_bytes\": %zu, "
+                   "\"precision\": \"%s\", \"fp8_weights\": \"%s\", \"fp8_weights_bytes\": %zu}\n",
                    shape->name, static_cast<long long>(p.num_tokens), to_string(o.save_policy), fwd_ms, bwd_ms,
-                   both_ms, tf_f, tf_b, tf_fb, kPeakTflops, b.scratch_bytes, b.saved_bytes);
+                   both_ms, tf_f, tf_b, tf_fb, kPeakTflops, b.scratch_bytes, b.saved_bytes, to_string(o.precision),
+                   weights_cached ? "cached" : "step", b.fp8_weights_bytes);
       std::fclose(f);
     }
   }

@@ -50,23 +50,43 @@ typedef struct megamoe_buffer {
   uint64_t bytes;
 } megamoe_buffer;
 
+/* A layer's FP8 weights (precision fp8 / fp8_bwd on CUDA; null otherwise):
+ * its expert weights in e4m3, both orientations, with block scales (layout
+ * Fp8WeightLayout in src/core/layer_buffers.h), kept by the caller across
+ * calls. ready = 0: the call quantises w13 and w2 into it first; ready = 1:
+ * the call reads it as it is (the caller vouches that w13 and w2 have not
+ * changed since it was filled). */
+typedef struct megamoe_fp8_weights {
+  void* data; /* device memory, 256-byte aligned */
+  uint64_t bytes;
+  int32_t ready;
+} megamoe_fp8_weights;
+
 /* Buffer sizes for a call of num_tokens tokens; will_backward = 0 for a
  * forward that no backward follows (then *saved_bytes = 0). */
 int megamoe_buffer_sizes(const megamoe_config* config, int64_t num_tokens, int32_t will_backward,
                          uint64_t* scratch_bytes, uint64_t* saved_bytes);
 
+/* Bytes of a layer's FP8 weight buffer (0 unless the precision is fp8 or fp8_bwd). */
+int megamoe_fp8_weight_bytes(const megamoe_config* config, uint64_t* bytes);
+
+/* Fills fp8_weights (its `ready` is ignored) from w13 [E,2I,H] and w2 [E,H,I],
+ * bf16 CUDA tensors, as a call with ready = 0 does first; async on stream. */
+int megamoe_fill_fp8_weights(const megamoe_config* config, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                             const megamoe_fp8_weights* fp8_weights, void* stream);
+
 /* x [T,H], topk_idx [T,k] int32, topk_weights [T,k] f32 (f64 exact), w13 [E/P,2I,H], w2 [E/P,H,I], y [T,H]. */
 int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
                     const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
                     const megamoe_tensor* y, const megamoe_buffer* saved, const megamoe_buffer* scratch,
-                    void* stream);
+                    const megamoe_fp8_weights* fp8_weights, void* stream);
 
 /* Gradients of <y, dy>; `saved` must be the buffer its forward wrote (or bytes 0). */
 int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
                      const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
                      const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
                      const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
-                     const megamoe_buffer* scratch, void* stream);
+                     const megamoe_buffer* scratch, const megamoe_fp8_weights* fp8_weights, void* stream);
 
 /* Expert parallelism (src/cuda/moe/ep_layer.h), CUDA only, config.ep_size
  * ranks of config.ep_rank: each rank calls with its own tokens and its E/P

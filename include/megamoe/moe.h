@@ -51,24 +51,45 @@ class MoeSaved {
 };
 
 // Device memory of the CUDA backend. The library allocates nothing per call
-// or per layer; the caller passes two buffers (byte layouts in
+// or per layer; the caller passes two buffers, three with FP8 (byte layouts in
 // src/core/layer_buffers.h, docs/routing-plan.md):
 //  - scratch: needed during a call only. Give every layer on a device (and
 //    stream) the same one, sized for the largest call; 256-byte aligned.
 //  - saved: written by a forward, read by its backward (the routing plan and
 //    z with SavePolicy::kKeep). Per call, from the caller's allocator; null
 //    with kRecompute or when no backward follows (then saved_bytes is 0).
+//  - fp8_weights (precision fp8 / fp8_bwd only): the layer's expert weights
+//    in e4m3 with their block scales, in both orientations (layout:
+//    Fp8WeightLayout). One per layer, kept by the caller across calls: a call
+//    with fp8_weights_ready = false quantises w13 and w2 into it before its
+//    GEMMs (both orientations, whatever the call); a call with true reads it
+//    as it is. So a trainer passes false once per optimizer step (the first
+//    call after the weights changed) and true until they change again; true
+//    on a stale buffer computes with the old weights. 256-byte aligned.
+//    Needed by every call that reads it (fp8: all; fp8_bwd: the backward);
+//    an fp8_bwd forward given one fills it (when not ready) for its backward.
 struct MoeBuffers {
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
   void* saved = nullptr;
   size_t saved_bytes = 0;
+  void* fp8_weights = nullptr;
+  size_t fp8_weights_bytes = 0;
+  bool fp8_weights_ready = false;
 };
 
 struct MoeBufferSizes {
   size_t scratch_bytes = 0;
-  size_t saved_bytes = 0;  // 0 unless a backward follows and the policy is kKeep
+  size_t saved_bytes = 0;        // 0 unless a backward follows and the policy is kKeep
+  size_t fp8_weights_bytes = 0;  // 0 unless the precision is fp8 or fp8_bwd (per layer, not per call)
 };
+
+// Fills buffers.fp8_weights from w13 and w2 (backend cuda, precision fp8 or
+// fp8_bwd; bf16 CUDA tensors), as a call with fp8_weights_ready = false does
+// before its GEMMs; async on options.cuda_stream. For callers that refresh the
+// buffer apart from the layer calls (the Python binding).
+Status moe_fill_fp8_weights(const MoeProblem& problem, const MoeOptions& options, const TensorView& w13,
+                            const TensorView& w2, const MoeBuffers& buffers);
 
 // Sizes of both buffers for a call of problem.num_tokens tokens. A backward
 // must get the same saved buffer as its forward and scratch of the size given

@@ -32,6 +32,10 @@ class Config(ctypes.Structure):
     ]
 
 
+class Fp8Weights(ctypes.Structure):  # megamoe_fp8_weights
+    _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_uint64), ("ready", ctypes.c_int32)]
+
+
 class Tensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device", ctypes.c_int32),
@@ -75,8 +79,11 @@ def _load() -> ctypes.CDLL:
         P, C, T, B = ctypes.c_void_p, ctypes.POINTER(Config), ctypes.POINTER(Tensor), ctypes.POINTER(Buffer)
         U64 = ctypes.POINTER(ctypes.c_uint64)
         lib.megamoe_buffer_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64]
-        lib.megamoe_forward.argtypes = [C] + [T] * 6 + [B, B, P]
-        lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, P]
+        W = ctypes.POINTER(Fp8Weights)
+        lib.megamoe_fp8_weight_bytes.argtypes = [C, U64]
+        lib.megamoe_fill_fp8_weights.argtypes = [C, T, T, W, P]
+        lib.megamoe_forward.argtypes = [C] + [T] * 6 + [B, B, W, P]
+        lib.megamoe_backward.argtypes = [C] + [T] * 10 + [B, B, W, P]
         lib.megamoe_check.argtypes = [ctypes.c_int32, P]
         G = P  # megamoe_ep_group* (the struct lives in megamoe.ep)
         lib.megamoe_ep_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64, U64, U64]

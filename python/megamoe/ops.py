@@ -17,7 +17,11 @@ Memory (DESIGN.md section 3): the library keeps no state between calls.
     inference_mode).
   - Scratch (pools, combine slots) is taken from PyTorch's caching allocator
     for the duration of each call: one block, reused by every layer in turn,
-    and free for other tensors between calls. Nothing is held per layer.
+    and free for other tensors between calls.
+  - FP8 precisions only: each layer's weights in e4m3 (both orientations,
+    block scales), quantised once per optimizer step and held between calls
+    (fp8_weight_cache=True, the default; see "FP8 weights" below). This is
+    the only memory megamoe keeps per layer; memory_stats() reports it.
 Errors the kernels find (a bad expert id, a timed-out wait) are raised by the
 next megamoe call on that device that starts after the failing kernel ran, by
 megamoe.check(), or by the call itself with validate=True / MEGAMOE_CHECK=1.
@@ -25,10 +29,13 @@ megamoe.check(), or by the call itself with validate=True / MEGAMOE_CHECK=1.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _lib
 
@@ -90,9 +97,85 @@ def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
 
 
 def memory_stats() -> dict:
-    """The largest scratch one call took (bytes, over all devices); megamoe holds no memory between calls."""
+    """scratch_bytes: the largest scratch one call took (over all devices; not held between calls);
+    fp8_weight_bytes: the FP8 weight buffers alive now (all layers and devices; 0 with bf16)."""
     with _LOCK:
-        return {"scratch_bytes": max(_SCRATCH_PEAK.values(), default=0)}
+        return {"scratch_bytes": max(_SCRATCH_PEAK.values(), default=0), "fp8_weight_bytes": _FP8_BYTES[0]}
+
+
+# ---- FP8 weights -----------------------------------------------------------------
+# With precision fp8 / fp8_bwd the layer reads its weights in e4m3, in both
+# orientations, with 128 x 128 block scales (Fp8WeightLayout in
+# src/core/layer_buffers.h). They are quantised once per optimizer step, not
+# in every call: the buffer hangs on the caller's w13 tensor and is current
+# while w13 and w2 keep their storage and version counters and no optimizer
+# has stepped since it was filled. The step hook is needed because fused
+# optimizers (AdamW(fused=True)) update parameters without bumping their
+# version counters. Not seen: writes through `.data` or raw pointers outside
+# an optimizer step; call invalidate_fp8_weights() after those.
+_FP8_BYTES = [0]      # bytes of the FP8 weight buffers alive
+_FP8_GENERATION = [0]  # bumped after every optimizer step and by invalidate_fp8_weights()
+
+
+def _bump_generation(*_args, **_kwargs) -> None:
+    _FP8_GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(_bump_generation)
+
+
+def invalidate_fp8_weights() -> None:
+    """Marks every layer's FP8 weights stale: the next call quantises them again. Needed only after
+    weights change outside an optimizer step without bumping their version counters (e.g. `p.data.copy_`)."""
+    _bump_generation()
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_weight_bytes(H: int, I: int, E: int, k: int, precision: str) -> int:
+    """Bytes of one layer's FP8 weight buffer (0 for bf16)."""
+    n = ctypes.c_uint64()
+    _lib.check(_lib.lib().megamoe_fp8_weight_bytes(ctypes.byref(_config(H, I, E, k, precision, "keep", False)),
+                                                   ctypes.byref(n)))
+    return n.value
+
+
+class _Fp8Weights:
+    """One layer's FP8 weight buffer and the state of the weights it was filled from."""
+    __slots__ = ("buf", "key", "__weakref__")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.key = buf, None
+        with _LOCK:
+            _FP8_BYTES[0] += buf.numel()
+        weakref.finalize(self, _release_fp8_bytes, buf.numel())
+
+
+def _release_fp8_bytes(n: int) -> None:
+    with _LOCK:
+        _FP8_BYTES[0] -= n
+
+
+def _fp8_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, nbytes: int, cache: bool
+                 ) -> tuple[torch.Tensor, bool]:
+    """The FP8 weight buffer for a forward on (w13, w2) and whether it is current (if not, the caller
+    fills it, and from then on it is). cache=False: a fresh buffer that lives for this call only."""
+    if not cache:
+        return torch.empty(nbytes, dtype=torch.uint8, device=w13.device), False
+    key = (precision, w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, _FP8_GENERATION[0])
+    entry = getattr(w13, "_megamoe_fp8", None)
+    if entry is None or entry.buf.numel() != nbytes or entry.buf.device != w13.device:
+        entry = _Fp8Weights(torch.empty(nbytes, dtype=torch.uint8, device=w13.device))
+        w13._megamoe_fp8 = entry
+    ready = entry.key == key
+    entry.key = key  # the caller fills it when it is not ready
+    return entry.buf, ready
+
+
+def _fp8_desc(buf: torch.Tensor) -> _lib.Fp8Weights:
+    """A filled FP8 weight buffer for the C ABI (ready: the ops never fill it themselves)."""
+    if buf.numel() == 0:
+        return _lib.Fp8Weights(None, 0, 0)
+    return _lib.Fp8Weights(buf.data_ptr(), buf.numel(), 1)
 
 
 def check(device: torch.device | str | int | None = None) -> None:
@@ -143,10 +226,30 @@ def _ids_as_int32(topk_idx: torch.Tensor, E: int) -> torch.Tensor:
     return topk_idx.clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32)
 
 
+@torch.library.custom_op("megamoe::fill_fp8_weights", mutates_args=("fp8_weights",))
+def fill_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, fp8_weights: torch.Tensor, precision: str) -> None:
+    """The layer's FP8 weight buffer from w13 and w2 (bf16, CUDA): e4m3 blocks in both orientations."""
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    E, I2, H = w13.shape
+    cfg = _config(H, I2 // 2, E, 1, precision, "keep", False)
+    with torch.cuda.device(w13.device):
+        stream = torch.cuda.current_stream(w13.device).cuda_stream
+        _lib.check(_lib.lib().megamoe_fill_fp8_weights(ctypes.byref(cfg), ctypes.byref(_desc(w13)),
+                                                       ctypes.byref(_desc(w2)),
+                                                       ctypes.byref(_fp8_desc(fp8_weights)), stream))
+
+
+@fill_fp8_weights.register_fake
+def _(w13, w2, fp8_weights, precision):
+    return None
+
+
 @torch.library.custom_op("megamoe::moe_fwd", mutates_args=())
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, precision: str, save_state: bool, validate: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            w2: torch.Tensor, fp8_weights: torch.Tensor, fp8_kept: bool, precision: str, save_state: bool,
+            validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_weights: the layer's FP8 weight buffer, filled (empty for bf16); fp8_kept: the layer keeps it
+    after this call (so the backward reads it), else the backward fills one of its own."""
     x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
@@ -165,12 +268,13 @@ def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
         args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
         _lib.check(_lib.lib().megamoe_forward(ctypes.byref(cfg), *[ctypes.byref(a) for a in args],
-                                              ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)), stream))
+                                              ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)),
+                                              ctypes.byref(_fp8_desc(fp8_weights)), stream))
     return y, saved
 
 
 @moe_fwd.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, precision, save_state, validate):
+def _(x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate):
     H, I, E, k = _dims(x, topk_idx, w13)
     keep = save_state and x.device.type == "cuda"
     n = saved_bytes(x.shape[0], H, I, E, k) if keep else 0
@@ -179,8 +283,8 @@ def _(x, topk_idx, topk_weights, w13, w2, precision, save_state, validate):
 
 @torch.library.custom_op("megamoe::moe_bwd", mutates_args=())
 def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, precision: str, validate: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, fp8_weights: torch.Tensor, precision: str,
+            validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dy, x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (dy, x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
@@ -197,12 +301,13 @@ def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
         args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
         _lib.check(_lib.lib().megamoe_backward(ctypes.byref(cfg), *[ctypes.byref(a) for a in args],
-                                               ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)), stream))
+                                               ctypes.byref(_buffer(saved)), ctypes.byref(_buffer(scratch)),
+                                               ctypes.byref(_fp8_desc(fp8_weights)), stream))
     return dx, dtw, dw13, dw2
 
 
 @moe_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, saved, precision, validate):
+def _(dy, x, topk_idx, topk_weights, w13, w2, saved, fp8_weights, precision, validate):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2))
 
 
@@ -215,9 +320,16 @@ class _nullcontext:
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weights, w13, w2, precision, save_state, validate = inputs
+    x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate = inputs
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, output[1])
     ctx.precision, ctx.validate = precision, validate
+    # FP8 weights: a kept buffer is current for the backward (autograd runs it before any optimizer
+    # step); it is held as a plain reference, not saved: a later forward of the same layer may
+    # refill it (same weights), which bumps its version. A buffer of the forward's own is not held:
+    # the backward fills one of its own.
+    ctx.fp8_weights = fp8_weights if fp8_kept and fp8_weights.numel() > 0 else None
+    ctx.fp8_bytes = (fp8_weight_bytes(x.shape[1], w2.shape[2], w13.shape[0], topk_idx.shape[1], precision)
+                     if x.is_cuda and precision in ("fp8", "fp8_bwd") else 0)
     # No zero-filled gradient for `saved` (uint8, hundreds of MB): autograd
     # would write one on every backward (measured: 134 us of 7.7 ms at 30B).
     ctx.set_materialize_grads(False)
@@ -225,11 +337,16 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, _dsaved):
     if dy is None:  # y did not reach the loss: nothing flows back
-        return None, None, None, None, None, None, None, None
+        return (None,) * 10
     x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
-    dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, saved, ctx.precision,
-                                 ctx.validate)
-    return dx, None, dtw, dw13, dw2, None, None, None
+    fp8_weights = ctx.fp8_weights  # kept by the layer: current
+    if fp8_weights is None:  # bf16 (empty), or a buffer of this call's own, filled here
+        fp8_weights = x.new_empty(ctx.fp8_bytes, dtype=torch.uint8)
+        if ctx.fp8_bytes > 0:
+            fill_fp8_weights(w13, w2, fp8_weights, ctx.precision)
+    dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, saved, fp8_weights,
+                                 ctx.precision, ctx.validate)
+    return dx, None, dtw, dw13, dw2, None, None, None, None, None
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -277,7 +394,7 @@ def _check_dtypes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         *, precision: str = "bf16", save: str = "keep", group=None, max_tokens: int | None = None,
-        validate: bool = False) -> torch.Tensor:
+        validate: bool = False, fp8_weight_cache: bool = True) -> torch.Tensor:
     """Mixture-of-experts layer: y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t].
 
     Dtypes: x bfloat16 (CUDA; CPU too, emulating the GPU's rounding) or float32 / float64 (CPU: exact fp64
@@ -290,6 +407,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     and w2 are this rank's E / P experts and the call is megamoe.ep's (CUDA, bf16,
     save="keep"; max_tokens: the most tokens any rank brings, agreed at the
     first call by default).
+    fp8_weight_cache (fp8 / fp8_bwd on CUDA): keep this layer's weights in e4m3
+    between calls, quantised again only after they change (see "FP8 weights"
+    in megamoe/ops.py); False: quantise them in every forward and backward and
+    keep nothing.
     """
     for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
         if value not in table:
@@ -306,6 +427,15 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16
     wdtype = torch.float64 if compute == torch.float64 else torch.float32
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13.to(compute), w2.to(compute), precision,
-                   needs_grad and save == "keep", validate)
+    w13c, w2c = w13.to(compute), w2.to(compute)
+    fp8_weights = x.new_empty(0, dtype=torch.uint8)
+    if x.is_cuda and precision in ("fp8", "fp8_bwd"):
+        H, I, E, k = x.shape[1], w2.shape[2], w13.shape[0], topk_idx.shape[1]
+        nbytes = fp8_weight_bytes(H, I, E, k, precision)
+        if fp8_weight_cache or precision == "fp8":  # (fp8_bwd's forward reads none: uncached, its backward fills)
+            fp8_weights, ready = _fp8_weights(w13, w2, precision, nbytes, fp8_weight_cache)
+            if not ready:
+                fill_fp8_weights(w13c, w2c, fp8_weights, precision)
+    y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13c, w2c, fp8_weights, fp8_weight_cache,
+                   precision, needs_grad and save == "keep", validate)
     return y.to(orig)

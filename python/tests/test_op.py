@@ -7,6 +7,8 @@ import megamoe
 from conftest import cuda_only
 from reference_moe import moe_reference, random_inputs
 
+NO_FP8 = torch.empty(0, dtype=torch.uint8)  # bf16: the ops take no FP8 weight buffer
+
 
 def grads(fn, inputs):
     x, idx, w, w13, w2 = inputs
@@ -40,7 +42,7 @@ def test_bf16_on_cpu_emulates_the_gpu_rounding():
 
 def test_opcheck():
     x, idx, w, w13, w2 = random_inputs(T=5)
-    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, "bf16", True, False))
+    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, NO_FP8, False, "bf16", True, False))
 
 
 def test_interleaved_calls_of_different_sizes_are_exact():
@@ -194,12 +196,13 @@ def test_cuda_forward_backward_capture_in_a_graph():
     x, idx, w, w13, w2 = (t.detach() for t in gpu)
     w = w.float()  # the raw op takes fp32 routing weights (megamoe.moe casts)
     dy = torch.randn_like(x)
-    eager_y, eager_saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, "bf16", True, False)
-    eager = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, eager_saved, "bf16", False)
+    none8 = x.new_empty(0, dtype=torch.uint8)  # bf16: no FP8 weight buffer
+    eager_y, eager_saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, none8, False, "bf16", True, False)
+    eager = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, eager_saved, none8, "bf16", False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, "bf16", True, False)
-        g = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, saved, "bf16", False)
+        y, saved = torch.ops.megamoe.moe_fwd(x, idx, w, w13, w2, none8, False, "bf16", True, False)
+        g = torch.ops.megamoe.moe_bwd(dy, x, idx, w, w13, w2, saved, none8, "bf16", False)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager_y)
@@ -248,7 +251,8 @@ def test_strided_inputs_and_huge_ids():
     x, idx, w, w13, w2 = random_inputs()
     xt = x.detach().t().contiguous().t()  # same values, column-major
     y_ref = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach())
-    y, _ = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), "bf16", False, False)
+    y, _ = torch.ops.megamoe.moe_fwd(xt, idx, w.detach(), w13.detach(), w2.detach(), NO_FP8, False, "bf16", False,
+                                     False)
     torch.testing.assert_close(y, y_ref)
     assert y.is_contiguous()
     for value in (2 ** 32 + 1, 2 ** 31 + 1, -(2 ** 40)):  # 2**32 + 1 would wrap to 1 if narrowed blindly
@@ -361,3 +365,48 @@ def test_forward_output_unused_in_the_loss_gives_no_gradients():
     y = megamoe.moe(x, idx, w, w13, w2)
     (x.sum() + 0 * y.detach().sum()).backward()  # y itself is not on the loss's graph
     assert w13.grad is None and w.grad is None
+
+
+@cuda_only
+def test_cuda_fp8_weights_are_quantised_once_per_optimizer_step(monkeypatch):
+    from megamoe import ops
+    fills = []
+    real_fill = ops.fill_fp8_weights
+    monkeypatch.setattr(ops, "fill_fp8_weights", lambda *a: (fills.append(a[-1]), real_fill(*a))[1])
+    x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", drop=False)
+    w13, w2 = torch.nn.Parameter(w13.detach()), torch.nn.Parameter(w2.detach())
+
+    def step():
+        y = megamoe.moe(x.detach(), idx, w.detach(), w13, w2, precision="fp8")
+        y.float().square().sum().backward()
+        return y.detach()
+
+    y1 = step()
+    assert fills == ["fp8"]  # the forward filled it, the backward read it
+    assert ops.memory_stats()["fp8_weight_bytes"] >= ops.fp8_weight_bytes(256, 128, 8, 2, "fp8")
+    assert torch.equal(step(), y1) and fills == ["fp8"]  # same weights: no refill, same result
+    torch.optim.AdamW([w13, w2], lr=1e-2, fused=True).step()  # no version bump: the step hook marks it stale
+    y2 = step()
+    assert len(fills) == 2 and not torch.equal(y2, y1)
+    fresh = megamoe.moe(x.detach(), idx, w.detach(), w13.detach(), w2.detach(), precision="fp8",
+                        fp8_weight_cache=False)
+    assert torch.equal(y2, fresh)  # the cached weights are the new ones
+    with torch.no_grad():
+        w2.mul_(0.5)  # an in-place change outside any optimizer: its version counter says so
+    step()
+    assert len(fills) == 4  # (the uncached call above filled one of its own)
+    fills.clear()
+    megamoe.moe(x.detach(), idx, w.detach(), w13, w2, precision="fp8_bwd",
+                fp8_weight_cache=False).float().sum().backward()
+    assert fills == ["fp8_bwd"]  # no cache: the backward quantises its own (the bf16 forward reads none)
+
+
+def test_fp8_weight_bytes_hold_both_orientations_and_the_scales():
+    H, I, E = 2048, 768, 128
+    scales = 4 * E * (2 * I // 128) * (H // 128) + 4 * E * (H // 128) * (I // 128)
+    align = lambda n: (n + 255) // 256 * 256
+    assert megamoe.fp8_weight_bytes(H, I, E, 8, "bf16") == 0
+    fp8_bwd = megamoe.fp8_weight_bytes(H, I, E, 8, "fp8_bwd")  # the transposed copies only
+    assert fp8_bwd >= 3 * E * I * H + scales and fp8_bwd <= 3 * E * I * H + scales + 4 * 256
+    fp8 = megamoe.fp8_weight_bytes(H, I, E, 8, "fp8")  # and the forward's orientation
+    assert fp8 - fp8_bwd == align(2 * E * I * H) + align(E * H * I)

@@ -20,6 +20,8 @@ Status cuda_forward(const MoeProblem& problem, const MoeOptions& options, const 
 Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
                      const TensorView& dy, const MoeGrads& grads, const MoeBuffers& buffers);
 Status cuda_check_device_errors(int device, void* stream);
+Status cuda_fill_fp8_weights(const MoeProblem& problem, const MoeOptions& options, const TensorView& w13,
+                             const TensorView& w2, const MoeBuffers& buffers);
 
 // Peer-memory self-check (cuda/comm/peer_check.h) on one rank's view, for
 // views a caller built (PyTorch symmetric memory). phase 0: write this rank's

@@ -73,10 +73,15 @@ TensorView view_of(const megamoe_tensor* t) {
   return v;
 }
 
-megamoe::MoeBuffers buffers_of(const megamoe_buffer* saved, const megamoe_buffer* scratch) {
+megamoe::MoeBuffers buffers_of(const megamoe_buffer* saved, const megamoe_buffer* scratch,
+                               const megamoe_fp8_weights* fp8_weights = nullptr) {
   megamoe::MoeBuffers b;
   if (scratch != nullptr) b.scratch = scratch->data, b.scratch_bytes = scratch->bytes;
   if (saved != nullptr && saved->bytes > 0) b.saved = saved->data, b.saved_bytes = saved->bytes;
+  if (fp8_weights != nullptr) {
+    b.fp8_weights = fp8_weights->data, b.fp8_weights_bytes = fp8_weights->bytes;
+    b.fp8_weights_ready = fp8_weights->ready != 0;
+  }
   return b;
 }
 
@@ -121,10 +126,36 @@ int megamoe_buffer_sizes(const megamoe_config* config, int64_t num_tokens, int32
   });
 }
 
+int megamoe_fp8_weight_bytes(const megamoe_config* config, uint64_t* bytes) {
+  return guarded([&] {
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    Status st = to_problem(config, 0, &p, &o);
+    megamoe::MoeBufferSizes sizes;
+    if (st.ok()) st = megamoe::moe_buffer_sizes(p, o, true, &sizes);
+    if (!st.ok()) return fail(st);
+    if (bytes != nullptr) *bytes = sizes.fp8_weights_bytes;
+    return 0;
+  });
+}
+
+int megamoe_fill_fp8_weights(const megamoe_config* config, const megamoe_tensor* w13, const megamoe_tensor* w2,
+                             const megamoe_fp8_weights* fp8_weights, void* stream) {
+  return guarded([&] {
+    megamoe::MoeProblem p;
+    megamoe::MoeOptions o;
+    Status st = to_problem(config, 0, &p, &o);
+    if (!st.ok()) return fail(st);
+    if (fp8_weights == nullptr) return fail(megamoe::invalid_argument("fp8_weights: null"));
+    o.cuda_stream = stream;
+    return fail(megamoe::moe_fill_fp8_weights(p, o, view_of(w13), view_of(w2), buffers_of(nullptr, nullptr, fp8_weights)));
+  });
+}
+
 int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const megamoe_tensor* topk_idx,
                     const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
                     const megamoe_tensor* y, const megamoe_buffer* saved, const megamoe_buffer* scratch,
-                    void* stream) {
+                    const megamoe_fp8_weights* fp8_weights, void* stream) {
   return guarded([&] {
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
     megamoe::MoeProblem p;
@@ -132,7 +163,7 @@ int megamoe_forward(const megamoe_config* config, const megamoe_tensor* x, const
     Status st = prepare_call(config, in.x, stream, &p, &o);
     if (!st.ok()) return fail(st);
     if (in.x.device == megamoe::DeviceType::kCUDA)
-      return fail(megamoe::detail::cuda_forward(p, o, in, view_of(y), buffers_of(saved, scratch)));
+      return fail(megamoe::detail::cuda_forward(p, o, in, view_of(y), buffers_of(saved, scratch, fp8_weights)));
     return fail(megamoe::moe_forward(p, o, in, view_of(y), nullptr));
   });
 }
@@ -141,7 +172,7 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
                      const megamoe_tensor* topk_weights, const megamoe_tensor* w13, const megamoe_tensor* w2,
                      const megamoe_tensor* dy, const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights,
                      const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
-                     const megamoe_buffer* scratch, void* stream) {
+                     const megamoe_buffer* scratch, const megamoe_fp8_weights* fp8_weights, void* stream) {
   return guarded([&] {
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
     const megamoe::MoeGrads g{view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)};
@@ -150,7 +181,7 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
     Status st = prepare_call(config, in.x, stream, &p, &o);
     if (!st.ok()) return fail(st);
     if (in.x.device == megamoe::DeviceType::kCUDA)
-      return fail(megamoe::detail::cuda_backward(p, o, in, view_of(dy), g, buffers_of(saved, scratch)));
+      return fail(megamoe::detail::cuda_backward(p, o, in, view_of(dy), g, buffers_of(saved, scratch, fp8_weights)));
     // CPU reference: the forward's intermediates are recomputed (dx is its scratch y).
     megamoe::MoeSaved cpu_saved;
     st = megamoe::moe_forward(p, o, in, g.dx, &cpu_saved);

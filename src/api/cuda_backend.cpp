@@ -2,6 +2,8 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "api/backends.h"
 #include "core/tensor_check.h"
@@ -144,6 +146,29 @@ Status cuda_backward(const MoeProblem& problem, const MoeOptions& options, const
   MEGAMOE_RETURN_IF_ERROR(check_backward_outputs(problem, options, dy, grads, call.device, &g));
   return end_call(options, call,
                   cuda::layer_backward(call, layer_inputs(inputs), dy.data, g, buffers));
+}
+
+Status cuda_fill_fp8_weights(const MoeProblem& problem, const MoeOptions& options, const TensorView& w13,
+                             const TensorView& w2, const MoeBuffers& buffers) {
+  std::string why;
+  if (cuda::device_count(&why) == 0) return unavailable("backend cuda: " + why);
+  MEGAMOE_RETURN_IF_ERROR(check_cuda_problem(problem, options));
+  const int64_t E = problem.num_experts, H = problem.hidden, I = problem.intermediate;
+  for (const auto& [name, v, want] :
+       {std::tuple<const char*, const TensorView*, std::vector<int64_t>>{"w13", &w13, {E, 2 * I, H}},
+        {"w2", &w2, {E, H, I}}}) {
+    if (v->data == nullptr) return invalid_argument(std::string(name) + ": data pointer is null");
+    if (v->device != DeviceType::kCUDA || v->dtype != DType::kBF16)
+      return invalid_argument(std::string(name) + ": the FP8 weights are quantised from a bf16 CUDA tensor");
+    if (v->rank != 3 || std::vector<int64_t>(v->shape, v->shape + 3) != want)
+      return invalid_argument(std::string(name) + ": expected shape [" + std::to_string(want[0]) + ", " +
+                              std::to_string(want[1]) + ", " + std::to_string(want[2]) + "], got " +
+                              v->shape_string());
+    MEGAMOE_RETURN_IF_ERROR(check_aligned(name, *v));
+  }
+  MEGAMOE_RETURN_IF_ERROR(check_same_device({{"w2", &w2}}, w13.device_index));
+  return cuda::fill_layer_fp8_weights(dims_of(problem, options), w13.device_index,
+                                      static_cast<cudaStream_t>(options.cuda_stream), w13.data, w2.data, buffers);
 }
 
 // ---- expert parallelism ----------------------------------------------------------

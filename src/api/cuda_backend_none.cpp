@@ -18,6 +18,10 @@ Status cuda_backward(const MoeProblem&, const MoeOptions&, const MoeInputs&, con
   return no_cuda();
 }
 Status cuda_check_device_errors(int, void*) { return no_cuda(); }
+Status cuda_fill_fp8_weights(const MoeProblem&, const MoeOptions&, const TensorView&, const TensorView&,
+                             const MoeBuffers&) {
+  return no_cuda();
+}
 Status cuda_peer_check(int, const PeerViewArgs&, void*, int64_t*) { return no_cuda(); }
 Status cuda_ep_sizes(const MoeProblem&, int64_t, bool, EpSizes*) { return no_cuda(); }
 Status cuda_ep_forward(const MoeProblem&, const MoeOptions&, const MoeInputs&, const TensorView&, const EpArgs&,

@@ -74,8 +74,16 @@ Status moe_buffer_sizes(const MoeProblem& problem, const MoeOptions& options, bo
   ScratchLayout sl;
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(d, !saves, &sl));
   sizes.scratch_bytes = sl.bytes;
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(d, &wl));
+  sizes.fp8_weights_bytes = wl.bytes;
   *out = sizes;
   return Status::Ok();
+}
+
+Status moe_fill_fp8_weights(const MoeProblem& problem, const MoeOptions& options, const TensorView& w13,
+                            const TensorView& w2, const MoeBuffers& buffers) {
+  return detail::cuda_fill_fp8_weights(problem, options, w13, w2, buffers);
 }
 
 Status check_device_errors(int device, void* cuda_stream) { return detail::cuda_check_device_errors(device, cuda_stream); }

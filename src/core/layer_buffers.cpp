@@ -103,7 +103,7 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
   out->dw_partial = c.take(product(C, d.intermediate / 128), 4);
   const bool fwd8 = d.precision == Precision::kFP8;
   const bool bwd8 = fwd8 || d.precision == Precision::kFP8Bwd;
-  const int64_t H = d.hidden, I2 = product(d.intermediate, 2), E = d.num_experts;
+  const int64_t H = d.hidden, I2 = product(d.intermediate, 2);
   auto rows_q = [&](Region* q, Region* s, int64_t cols, bool use) {  // 1 x 128 row tiles of a pool
     *q = c.take(use ? product(C, cols) : 0, 1);
     *s = c.take(use ? product(C, cols / 128) : 0, 4);
@@ -115,12 +115,6 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
   Fp8Layout& f = out->fp8;
   rows_q(&f.x_q, &f.x_s, H, fwd8);
   rows_q(&f.a_q, &f.a_s, d.intermediate, fwd8);
-  f.w13_q = c.take(bwd8 ? product(E, product(I2, H)) : 0, 1);
-  f.w13_s = c.take(bwd8 ? product(E, product(I2 / 128, H / 128)) : 0, 4);
-  f.w2_q = c.take(bwd8 ? product(E, product(H, d.intermediate)) : 0, 1);
-  f.w2_s = c.take(bwd8 ? product(E, product(H / 128, d.intermediate / 128)) : 0, 4);
-  f.w13_t = c.take(bwd8 ? product(E, product(I2, H)) : 0, 1);
-  f.w2_t = c.take(bwd8 ? product(E, product(H, d.intermediate)) : 0, 1);
   rows_q(&f.dy_q, &f.dy_s, H, bwd8);
   rows_q(&f.dz_q, &f.dz_s, I2, bwd8);
   cols_t(&f.dy_t, &f.dy_ts, H);
@@ -131,6 +125,26 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
   if (!c.ok()) return too_large(d);
   out->bytes = c.end();
   out->bytes_without_slots = out->slots.offset;
+  return Status::Ok();
+}
+
+Status fp8_weight_layout(const LayerDims& d, Fp8WeightLayout* out) {
+  *out = Fp8WeightLayout{};
+  const bool fwd8 = d.precision == Precision::kFP8;
+  if (!fwd8 && d.precision != Precision::kFP8Bwd) return Status::Ok();
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts;
+  const int64_t w13 = product(E, product(product(I, 2), H)), w2 = product(E, product(H, I));
+  Carver c;
+  out->w13_s = c.take(product(E, product(product(I, 2) / 128, H / 128)), 4);
+  out->w2_s = c.take(product(E, product(H / 128, I / 128)), 4);
+  out->w13_q = c.take(fwd8 ? w13 : 0, 1);
+  out->w2_q = c.take(fwd8 ? w2 : 0, 1);
+  out->w13_t = c.take(w13, 1);
+  out->w2_t = c.take(w2, 1);
+  if (!c.ok())
+    return capacity_error("fp8 weights of " + std::to_string(E) + " experts (hidden " + std::to_string(H) +
+                          ", intermediate " + std::to_string(I) + ") exceed what one device can address");
+  out->bytes = c.end();
   return Status::Ok();
 }
 

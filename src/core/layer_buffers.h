@@ -24,8 +24,10 @@
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w
-//   fp8           FP8 precisions only (Fp8Layout below): the e4m3 operands and their
-//                 scales, quantised in each call (empty for bf16)
+//   fp8           FP8 precisions only (Fp8Layout below): the e4m3 activation and
+//                 gradient operands and their scales, quantised in each call (empty
+//                 for bf16). The e4m3 weights live in a buffer of their own
+//                 (Fp8WeightLayout), kept by the caller across calls.
 //   slots         bf16 [k, T, H]    forward: weighted expert outputs; backward: dx rows.
 //                                   Last, and absent (bytes_without_slots) from an
 //                                   expert-parallel owner's scratch: its GEMMs write
@@ -61,21 +63,30 @@ struct SavedLayout {
 };
 
 // FP8 operands of one call (the recipe: reference/numerics.h; quantizers:
-// cuda/fp8/quantize.h), e4m3 u8 with f32 scales. Weights are quantised in
-// every call that uses them (no cache yet), in 128 x 128 blocks, with the
-// transposed copy the backward reads K-major. Empty regions where the
+// cuda/fp8/quantize.h), e4m3 u8 with f32 scales; empty regions where the
 // precision does not use them.
 //   forward (fp8):        x_q [C, H] + x_s [C, H/128], a_q [C, I] + a_s [C, I/128]
-//   both:                 w13_q [E, 2I, H] + w13_s [E, 2I/128, H/128], w2_q [E, H, I] + w2_s [E, H/128, I/128]
-//   backward (fp8, fp8_bwd): w13_t [E, H, 2I], w2_t [E, I, H] (the transposed copies),
-//                         dy_q [C, H] + dy_s, dz_q [C, 2I] + dz_s (rows, 1 x 128),
+//   backward (fp8, fp8_bwd): dy_q [C, H] + dy_s, dz_q [C, 2I] + dz_s (rows, 1 x 128),
 //                         weight-gradient operands transposed, per 128 pool rows of each
 //                         channel: dy_t [H, C] + dy_ts [C/128, H], wa_t [I, C] + wa_ts,
 //                         dz_t [2I, C] + dz_ts, x_t [H, C] + x_ts
 struct Fp8Layout {
-  Region x_q, x_s, a_q, a_s, w13_q, w13_s, w2_q, w2_s, w13_t, w2_t, dy_q, dy_s, dz_q, dz_s, dy_t, dy_ts, wa_t, wa_ts,
-      dz_t, dz_ts, x_t, x_ts;
+  Region x_q, x_s, a_q, a_s, dy_q, dy_s, dz_q, dz_s, dy_t, dy_ts, wa_t, wa_ts, dz_t, dz_ts, x_t, x_ts;
 };
+
+// The FP8 weight buffer (MoeBuffers::fp8_weights): a layer's expert weights in
+// e4m3, 128 x 128 blocks, in both orientations its GEMMs read K-major; one
+// f32 scale per block serves both orientations. Filled by a call whose
+// buffer is not marked ready, then reused by the caller until the weights
+// change (once per optimizer step). Depends on E, H, I and the precision only.
+//   w13_s [E, 2I/128, H/128], w2_s [E, H/128, I/128]     fp8, fp8_bwd
+//   w13_q [E, 2I, H], w2_q [E, H, I]  (as given: GEMM1, GEMM2)   fp8 only
+//   w13_t [E, H, 2I], w2_t [E, I, H]  (transposed: the backward's data gradients)   fp8, fp8_bwd
+struct Fp8WeightLayout {
+  Region w13_s, w2_s, w13_q, w2_q, w13_t, w2_t;
+  size_t bytes = 0;  // 0 for bf16
+};
+Status fp8_weight_layout(const LayerDims& dims, Fp8WeightLayout* out);
 
 struct ScratchLayout {
   Region chunk_counts;

@@ -122,6 +122,9 @@ MoeBuffers DeviceBuffers::view() const {
   b.scratch_bytes = static_cast<size_t>(scratch.view().size_bytes());
   b.saved = saved.view().data;
   b.saved_bytes = static_cast<size_t>(saved.view().size_bytes());
+  b.fp8_weights = fp8_weights.view().data;
+  b.fp8_weights_bytes = static_cast<size_t>(fp8_weights.view().size_bytes());
+  b.fp8_weights_ready = fp8_weights_ready;
   return b;
 }
 
@@ -131,10 +134,14 @@ Status make_device_buffers(const MoeProblem& p, const MoeOptions& o, bool will_b
   MEGAMOE_RETURN_IF_ERROR(moe_buffer_sizes(p, o, will_backward, &sizes));
   out->scratch = DeviceTensor(DType::kI32, {static_cast<int64_t>(sizes.scratch_bytes / 4)}, device);
   out->saved = DeviceTensor(DType::kI32, {static_cast<int64_t>(sizes.saved_bytes / 4)}, device);
+  out->fp8_weights = DeviceTensor(DType::kI32, {static_cast<int64_t>(sizes.fp8_weights_bytes / 4)}, device);
+  out->fp8_weights_ready = false;
   if ((sizes.scratch_bytes > 0 && out->scratch.view().data == nullptr) ||
-      (sizes.saved_bytes > 0 && out->saved.view().data == nullptr))
+      (sizes.saved_bytes > 0 && out->saved.view().data == nullptr) ||
+      (sizes.fp8_weights_bytes > 0 && out->fp8_weights.view().data == nullptr))
     return capacity_error("cannot allocate the layer buffers (" + std::to_string(sizes.scratch_bytes >> 20) +
-                          " MiB scratch, " + std::to_string(sizes.saved_bytes >> 20) + " MiB saved)");
+                          " MiB scratch, " + std::to_string(sizes.saved_bytes >> 20) + " MiB saved, " +
+                          std::to_string(sizes.fp8_weights_bytes >> 20) + " MiB fp8 weights)");
   return Status::Ok();
 }
 

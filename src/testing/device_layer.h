@@ -34,10 +34,13 @@ struct DeviceLayer {
   MoeGrads grads() const { return {dx.view(), d_topk_weights.view(), dw13.view(), dw2.view()}; }
 };
 
-// The CUDA layer's two buffers (scratch, saved), sized by moe_buffer_sizes;
-// stored as i32 tensors of bytes / 4 elements.
+// The CUDA layer's buffers (scratch, saved, and the FP8 weights of an FP8
+// precision), sized by moe_buffer_sizes; stored as i32 tensors of bytes / 4
+// elements. fp8_weights_ready goes into view(): false (each call quantises
+// the weights) until the caller sets it.
 struct DeviceBuffers {
-  DeviceTensor scratch, saved;
+  DeviceTensor scratch, saved, fp8_weights;
+  bool fp8_weights_ready = false;
   MoeBuffers view() const;
 };
 Status make_device_buffers(const MoeProblem& p, const MoeOptions& o, bool will_backward, int device,

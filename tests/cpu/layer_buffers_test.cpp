@@ -90,11 +90,10 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   ASSERT_TRUE(scratch_layout(f8b, false, &s8b).ok());
   int64_t C = 0;
   ASSERT_TRUE(pool_capacity(bf, &C).ok());
-  const int64_t H = 2048, I = 768, E = 128;
+  const int64_t H = 2048, I = 768;
   auto regions = [](const Fp8Layout& f) {
-    return std::vector<Region>{f.x_q,  f.x_s,   f.a_q,  f.a_s,   f.w13_q, f.w13_s, f.w2_q, f.w2_s,
-                               f.w13_t, f.w2_t, f.dy_q, f.dy_s,  f.dz_q,  f.dz_s,  f.dy_t, f.dy_ts,
-                               f.wa_t, f.wa_ts, f.dz_t, f.dz_ts, f.x_t,   f.x_ts};
+    return std::vector<Region>{f.x_q,  f.x_s,   f.a_q,  f.a_s,   f.dy_q, f.dy_s, f.dz_q, f.dz_s,
+                               f.dy_t, f.dy_ts, f.wa_t, f.wa_ts, f.dz_t, f.dz_ts, f.x_t, f.x_ts};
   };
   for (const Region& r : regions(s16.fp8)) EXPECT_EQ(r.bytes, 0u);
   // fp8: every region, sized as its writer fills it.
@@ -102,10 +101,6 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   EXPECT_EQ(f.x_q.bytes, static_cast<size_t>(C * H));
   EXPECT_EQ(f.x_s.bytes, static_cast<size_t>(C * (H / 128) * 4));
   EXPECT_EQ(f.a_q.bytes, static_cast<size_t>(C * I));
-  EXPECT_EQ(f.w13_q.bytes, static_cast<size_t>(E * 2 * I * H));
-  EXPECT_EQ(f.w13_t.bytes, f.w13_q.bytes);
-  EXPECT_EQ(f.w13_s.bytes, static_cast<size_t>(E * (2 * I / 128) * (H / 128) * 4));
-  EXPECT_EQ(f.w2_t.bytes, static_cast<size_t>(E * H * I));
   EXPECT_EQ(f.dz_q.bytes, static_cast<size_t>(C * 2 * I));
   EXPECT_EQ(f.dz_t.bytes, static_cast<size_t>(2 * I * C));
   EXPECT_EQ(f.dz_ts.bytes, static_cast<size_t>((C / 128) * 2 * I * 4));
@@ -123,6 +118,40 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   for (const Region& r : regions(s8.fp8)) EXPECT_LE(r.offset + r.bytes, s8.bytes_without_slots);
   EXPECT_GT(s8.bytes, s8b.bytes);
   EXPECT_GT(s8b.bytes, s16.bytes);
+}
+
+TEST(LayerBuffers, Fp8WeightsHoldWhatEachPrecisionReads) {
+  LayerDims d;
+  d.tokens = 4096, d.hidden = 2048, d.intermediate = 768, d.num_experts = 128, d.top_k = 8;
+  const size_t H = 2048, I = 768, E = 128;
+  Fp8WeightLayout w;
+  ASSERT_TRUE(fp8_weight_layout(d, &w).ok());
+  EXPECT_EQ(w.bytes, 0u);  // bf16: none
+  d.precision = Precision::kFP8;
+  ASSERT_TRUE(fp8_weight_layout(d, &w).ok());
+  EXPECT_EQ(w.w13_q.bytes, E * 2 * I * H);
+  EXPECT_EQ(w.w13_t.bytes, w.w13_q.bytes);
+  EXPECT_EQ(w.w13_s.bytes, E * (2 * I / 128) * (H / 128) * 4);
+  EXPECT_EQ(w.w2_q.bytes, E * H * I);
+  EXPECT_EQ(w.w2_t.bytes, E * H * I);
+  EXPECT_EQ(w.w2_s.bytes, E * (H / 128) * (I / 128) * 4);
+  expect_disjoint_and_aligned({w.w13_s, w.w2_s, w.w13_q, w.w2_q, w.w13_t, w.w2_t}, w.bytes);
+  const size_t fp8_bytes = w.bytes;
+  // fp8_bwd: the forward is bf16, so only the transposed copies and the scales.
+  d.precision = Precision::kFP8Bwd;
+  ASSERT_TRUE(fp8_weight_layout(d, &w).ok());
+  EXPECT_EQ(w.w13_q.bytes, 0u);
+  EXPECT_EQ(w.w2_q.bytes, 0u);
+  EXPECT_EQ(w.w13_t.bytes, E * 2 * I * H);
+  EXPECT_LT(w.bytes, fp8_bytes);
+  // no dependence on the token count
+  d.tokens = 1;
+  Fp8WeightLayout w1;
+  ASSERT_TRUE(fp8_weight_layout(d, &w1).ok());
+  EXPECT_EQ(w1.bytes, w.bytes);
+  // overflow is a Capacity error, not a wrap
+  d.num_experts = 1 << 30, d.hidden = int64_t{1} << 40;
+  EXPECT_EQ(fp8_weight_layout(d, &w).code(), StatusCode::kCapacity);
 }
 
 TEST(LayerBuffers, GrowWithTokens) {

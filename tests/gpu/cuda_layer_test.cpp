@@ -224,6 +224,66 @@ void expect_bitwise(const LayerOutputs& a, const LayerOutputs& b) {
   EXPECT_TRUE(bitwise_equal(a.dw2, b.dw2));
 }
 
+// The FP8 weight buffer (MoeBuffers::fp8_weights): a call marked ready reads
+// it as it is, one not marked quantises w13 and w2 into it first.
+TEST(CudaLayerFp8, WeightBufferIsReadWhenReadyAndRefilledWhenNot) {
+  MEGAMOE_REQUIRE_GPU();
+  MoeProblem p;
+  p.num_tokens = 300, p.hidden = 256, p.intermediate = 128, p.num_experts = 8, p.top_k = 2;
+  const LayerData d = random_data(p, Routing::kUniform, 23), other = random_data(p, Routing::kUniform, 24);
+  MoeOptions o = cuda_options(SavePolicy::kKeep);
+  o.precision = Precision::kFP8;
+  DeviceLayer dev;
+  DeviceBuffers buffers;
+  MEGAMOE_ASSERT_OK(make_device_layer(p, d, DType::kF32, 0, &dev));
+  MEGAMOE_ASSERT_OK(make_device_buffers(p, o, true, 0, &buffers));
+  MoeBufferSizes sizes;
+  MEGAMOE_ASSERT_OK(moe_buffer_sizes(p, o, true, &sizes));
+  EXPECT_EQ(buffers.view().fp8_weights_bytes, sizes.fp8_weights_bytes);
+  auto run = [&](bool ready) {
+    LayerOutputs out = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
+    MoeBuffers b = buffers.view();
+    b.fp8_weights_ready = ready;
+    MoeSaved saved;
+    Status st = poison_outputs(dev, nullptr);
+    if (st.ok()) st = moe_forward(p, o, dev.inputs(), dev.y.view(), &saved, &b);
+    b.fp8_weights_ready = true;  // the backward reads what its forward left
+    if (st.ok()) st = moe_backward(p, o, dev.inputs(), dev.dy.view(), saved, dev.grads(), &b);
+    if (st.ok()) st = check_device_errors(0, nullptr);
+    if (st.ok()) st = download_outputs(dev, &out);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return out;
+  };
+  MEGAMOE_ASSERT_OK(buffers.fp8_weights.fill_bytes(0x7F));  // garbage: the first call must overwrite it all
+  const LayerOutputs fresh = run(false);
+  expect_close(fresh, run_cpu(p, d, false, Precision::kFP8), kFp8VsReference, 0, "cpu emulation");
+  expect_bitwise(run(true), fresh);  // read back as filled
+  // New bf16 weights, buffer still marked ready: y and dx come from the old e4m3 weights.
+  MEGAMOE_ASSERT_OK(dev.w13.upload(other.w13));
+  MEGAMOE_ASSERT_OK(dev.w2.upload(other.w2));
+  const LayerOutputs stale = run(true);
+  EXPECT_TRUE(bitwise_equal(stale.y, fresh.y));
+  EXPECT_TRUE(bitwise_equal(stale.dx, fresh.dx));
+  // Not ready: quantised again from the new weights.
+  const LayerOutputs refilled = run(false);
+  EXPECT_FALSE(bitwise_equal(refilled.y, fresh.y));
+  LayerData mixed = random_data(p, Routing::kUniform, 23);
+  mixed.w13 = random_data(p, Routing::kUniform, 24).w13;
+  mixed.w2 = random_data(p, Routing::kUniform, 24).w2;
+  expect_close(refilled, run_cpu(p, mixed, false, Precision::kFP8), kFp8VsReference, 0, "cpu emulation");
+  // No buffer, or one too small: a clear error before any work.
+  MoeBuffers b = buffers.view();
+  b.fp8_weights = nullptr;
+  MoeSaved saved;
+  Status st = moe_forward(p, o, dev.inputs(), dev.y.view(), &saved, &b);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("fp8_weights"), std::string::npos) << st.message();
+  b = buffers.view();
+  b.fp8_weights_bytes -= 256;
+  st = moe_forward(p, o, dev.inputs(), dev.y.view(), &saved, &b);
+  EXPECT_NE(st.message().find("fp8_weights"), std::string::npos) << st.message();
+}
+
 TEST(CudaLayerRuns, AreBitwiseIdentical) {
   MEGAMOE_REQUIRE_GPU();
   const MoeProblem p = small_problem();

@@ -105,7 +105,7 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
   amax = 0.0f;
   for (int i = 0; i < 8; ++i) amax = fold_amax(amax, warp_amax[i]);
   const float s = tile_scale(amax, kind);
-  uint8_t* dst = q + b * rows * cols + tr * kTile * cols + tc * kTile;
+  uint8_t* dst = q == nullptr ? nullptr : q + b * rows * cols + tr * kTile * cols + tc * kTile;
   for (int i = 0; i < 8; ++i) {
     const int r = r0 + 16 * i;
     uint2 packed = make_uint2(0, 0);
@@ -114,7 +114,7 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
       (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(e) << (8 * (j % 4));
       if (q_t != nullptr) tile_t[c8 + j][r] = e;
     }
-    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r) * cols + c8) = packed;
+    if (dst != nullptr) *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r) * cols + c8) = packed;
   }
   if (t == 0) scales[b * tiles_r * tiles_c + tr * tiles_c + tc] = s;
   if (q_t == nullptr) return;
@@ -227,8 +227,8 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 block quantizer", rows, cols));
   if (batch <= 0)
     return invalid_argument("fp8 block quantizer: batch = " + std::to_string(batch) + " must be positive");
-  if (w == nullptr || q == nullptr || scales == nullptr)
-    return invalid_argument("fp8 block quantizer: a pointer is null");
+  if (w == nullptr || scales == nullptr || (q == nullptr && q_t == nullptr))
+    return invalid_argument("fp8 block quantizer: w, scales and q or q_t (or both) must be given");
   if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0 ||
       reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 block quantizer: w must be 16-byte, q and q_t 8-byte aligned");

@@ -8,7 +8,7 @@
 //   rows:   x bf16 [rows, cols] -> q u8 [rows, cols], scales f32 [rows, cols / 128]
 //           (1 x 128 tiles along the row: activations and output gradients,
 //           K along the row).
-//   blocks: w bf16 [batch, rows, cols] -> q u8 [batch, rows, cols], optionally
+//   blocks: w bf16 [batch, rows, cols] -> q u8 [batch, rows, cols] and/or
 //           q_t u8 [batch, cols, rows] (the same bytes transposed: the other
 //           orientation a backward GEMM reads K-major), scales f32
 //           [batch, rows / 128, cols / 128] (128 x 128 tiles: weights; a tile's

@@ -45,6 +45,33 @@ Status check_hopper(int device) {
 bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
 bool fp8_backward(const LayerDims& d) { return d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd; }
 
+// The FP8 weight buffer: there, aligned and large enough.
+Status check_fp8_weights(const LayerDims& dims, const LayerBuffers& buffers) {
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
+  if (wl.bytes > 0 && (buffers.fp8_weights == nullptr || buffers.fp8_weights_bytes < wl.bytes))
+    return invalid_argument("fp8_weights: precision " + std::string(to_string(dims.precision)) +
+                            " needs the layer's FP8 weight buffer of " + std::to_string(wl.bytes) + " bytes, " +
+                            (buffers.fp8_weights == nullptr ? std::string("none")
+                                                            : std::to_string(buffers.fp8_weights_bytes) + " bytes") +
+                            " given (moe_buffer_sizes)");
+  if (reinterpret_cast<uintptr_t>(buffers.fp8_weights) % kBufferAlign != 0)
+    return invalid_argument("fp8_weights: the buffer must be 256-byte aligned");
+  return Status::Ok();
+}
+
+// The caller's FP8 weight buffer, checked, and quantised from w13 and w2
+// unless the caller says it is current (MoeBuffers::fp8_weights_ready). A
+// call that reads it needs it (`reads`: fp8's forward, every FP8 backward);
+// fp8_bwd's forward reads none, but fills a buffer it is given for its backward.
+Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, const Fp8Carved& f,
+                           const LayerInputs& in, bool reads) {
+  if (!fp8_backward(call.dims) || (!reads && buffers.fp8_weights == nullptr)) return Status::Ok();
+  MEGAMOE_RETURN_IF_ERROR(check_fp8_weights(call.dims, buffers));
+  if (buffers.fp8_weights_ready) return Status::Ok();
+  return detail::fill_fp8_weights(call, f, in.w13, in.w2);
+}
+
 // GEMM1 + SwiGLU over the gathered x pool in the forward's precision: z into
 // z_pool, a into a_pool (either may be null).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w13,
@@ -102,7 +129,7 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
   }
   for (const void* p : {buffers.scratch, buffers.saved})
     if (reinterpret_cast<uintptr_t>(p) % kBufferAlign != 0)
-      return invalid_argument("scratch, saved: device buffers must be 256-byte aligned");
+      return invalid_argument("scratch, saved, fp8_weights: device buffers must be 256-byte aligned");
   MEGAMOE_RETURN_IF_ERROR(check_hopper(device));
   call->slots_at_sources = slots_at_sources;
   call->dims = dims;
@@ -114,6 +141,24 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
   return Status::Ok();
 }
 
+Status fill_layer_fp8_weights(const LayerDims& dims, int device, cudaStream_t stream, const void* w13,
+                              const void* w2, const LayerBuffers& buffers) {
+  if (!fp8_backward(dims))
+    return invalid_argument(std::string("fp8 weights: precision ") + to_string(dims.precision) + " has none");
+  MEGAMOE_RETURN_IF_ERROR(check_fp8_weights(dims, buffers));
+  MEGAMOE_RETURN_IF_ERROR(check_hopper(device));
+  LayerCall call;
+  call.dims = dims, call.device = device, call.stream = stream;
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
+  auto q = [&](const Region& r) { return r.bytes > 0 ? static_cast<uint8_t*>(buffers.fp8_weights) + r.offset : nullptr; };
+  auto s = [&](const Region& r) { return reinterpret_cast<float*>(q(r)); };
+  detail::Fp8Carved f{};
+  f.w13_q = q(wl.w13_q), f.w2_q = q(wl.w2_q), f.w13_t = q(wl.w13_t), f.w2_t = q(wl.w2_t);
+  f.w13_s = s(wl.w13_s), f.w2_s = s(wl.w2_s);
+  return detail::fill_fp8_weights(call, f, w13, w2);
+}
+
 Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, const LayerBuffers& buffers) {
   if (call.slots_at_sources) return invalid_argument("layer_forward: an expert-parallel owner's call (no slots region)");
   const LayerDims& d = call.dims;
@@ -121,6 +166,7 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));
   Fp8Carved f;  // null regions unless the precision quantises
   MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
+  MEGAMOE_RETURN_IF_ERROR(refresh_fp8_weights(call, buffers, f, in, fp8_forward(d)));
   const int64_t H = d.hidden, C = c.capacity, T = d.tokens;
   const int sms = sm_count(call.device);
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
@@ -143,6 +189,7 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   MEGAMOE_RETURN_IF_ERROR(carve(call, buffers, &c));
   Fp8Carved f;  // null regions unless the precision quantises
   MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
+  MEGAMOE_RETURN_IF_ERROR(refresh_fp8_weights(call, buffers, f, in, true));
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity, T = d.tokens;
   const int sms = sm_count(call.device);
   const DevicePlan plan = device_plan(c.pv.plan, d);

@@ -57,6 +57,12 @@ struct LayerCall {
 Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream, const LayerBuffers& buffers,
                           LayerCall* call, bool slots_at_sources = false);
 
+// buffers.fp8_weights (precision fp8 / fp8_bwd) filled from w13 and w2, as a
+// call not marked fp8_weights_ready does before its GEMMs. Checks the device
+// and the buffer's size; async on `stream`.
+Status fill_layer_fp8_weights(const LayerDims& dims, int device, cudaStream_t stream, const void* w13,
+                              const void* w2, const LayerBuffers& buffers);
+
 // With buffers.saved, the plan and z are written there for the backward;
 // without, the plan lives in scratch and z is not kept.
 Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, const LayerBuffers& buffers);

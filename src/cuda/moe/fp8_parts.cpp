@@ -19,12 +19,19 @@ void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const 
 
 }  // namespace
 
+Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts;
+  const Fp8Scale sc = scale_of(call);
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w13, E, 2 * I, H, sc, f.w13_q, f.w13_t, f.w13_s, call.stream));
+  return quantize_e4m3_blocks(w2, E, H, I, sc, f.w2_q, f.w2_t, f.w2_s, call.stream);
+}
+
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                    const void* w13, void* z_pool, void* a_pool, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w13, E, 2 * I, H, sc, f.w13_q, nullptr, f.w13_s, call.stream));
   MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
   use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
@@ -37,7 +44,6 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w2, E, H, I, sc, f.w2_q, nullptr, f.w2_s, call.stream));
   MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, w2, E * H, I, H);
   use_fp8(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
@@ -51,9 +57,6 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  // Weights: 128 x 128 blocks; the backward reads their transposed copies, K-major.
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w2, E, H, I, sc, f.w2_q, f.w2_t, f.w2_s, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_blocks(w13, E, 2 * I, H, sc, f.w13_q, f.w13_t, f.w13_s, call.stream));
   // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
   MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);

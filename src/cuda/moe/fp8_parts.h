@@ -4,15 +4,20 @@
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
 // Quantisation runs as separate passes over the pools (not yet fused into the
-// epilogues), and the weights are quantised in every call that uses them (not
-// yet cached per optimizer step). Host code; async on the call's stream.
+// epilogues). The e4m3 weights come from the caller's buffer
+// (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
+// it is not current. Host code; async on the call's stream.
 #pragma once
 
 #include "cuda/moe/layer_parts.h"
 
 namespace megamoe::cuda::detail {
 
-// The forward's GEMMs over the gathered x pool: w13, w2 and x quantised, then
+// w13 and w2 into f's weight regions: 128 x 128 blocks, as given (fp8 only) and
+// transposed, one scale per block.
+Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
+
+// The forward's GEMMs over the gathered x pool (weights from f): x quantised, then
 // kGateUp (z into z_pool when not null, a into the a pool), a quantised, kDown
 // into the slots. Also the backward's recomputation of z (z_pool, a_pool null).
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
@@ -21,7 +26,7 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
                 const float* topk_weights, int sms);
 
 // The backward's data-gradient GEMMs in FP8 over the pool holding dy (as
-// data_grad_gemms): both weights quantised with their transposed copies.
+// data_grad_gemms), on the weights' transposed copies in f.
 Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                            const void* w2, const void* w13, const float* topk_weights, float* d_topk, int sms);
 

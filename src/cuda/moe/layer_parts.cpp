@@ -50,11 +50,16 @@ Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f) {
   ScratchLayout sl;
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
   const Fp8Layout& l = sl.fp8;
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(call.dims, &wl));
   auto q = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.scratch, r) : nullptr; };
   auto s = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.scratch, r) : nullptr; };
-  *f = Fp8Carved{q(l.x_q),   q(l.a_q),   q(l.w13_q), q(l.w2_q),  q(l.w13_t), q(l.w2_t),  q(l.dy_q),  q(l.dz_q),
-                 q(l.dy_t),  q(l.wa_t),  q(l.dz_t),  q(l.x_t),   s(l.x_s),   s(l.a_s),   s(l.w13_s), s(l.w2_s),
-                 s(l.dy_s),  s(l.dz_s),  s(l.dy_ts), s(l.wa_ts), s(l.dz_ts), s(l.x_ts)};
+  auto wq = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.fp8_weights, r) : nullptr; };
+  auto ws = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.fp8_weights, r) : nullptr; };
+  *f = Fp8Carved{q(l.x_q),     q(l.a_q),    wq(wl.w13_q), wq(wl.w2_q),  wq(wl.w13_t), wq(wl.w2_t),
+                 q(l.dy_q),    q(l.dz_q),   q(l.dy_t),    q(l.wa_t),    q(l.dz_t),    q(l.x_t),
+                 s(l.x_s),     s(l.a_s),    ws(wl.w13_s), ws(wl.w2_s),  s(l.dy_s),    s(l.dz_s),
+                 s(l.dy_ts),   s(l.wa_ts),  s(l.dz_ts),   s(l.x_ts)};
   return Status::Ok();
 }
 

@@ -28,7 +28,8 @@ struct Carved {
 // The call's buffers (core/layer_buffers.h) as pointers.
 Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c);
 
-// The FP8 operands of a call (ScratchLayout::fp8) as pointers; null where the
+// The FP8 operands of a call (ScratchLayout::fp8) and its e4m3 weights
+// (MoeBuffers::fp8_weights, Fp8WeightLayout) as pointers; null where the
 // call's precision has no such region.
 struct Fp8Carved {
   uint8_t *x_q, *a_q, *w13_q, *w2_q, *w13_t, *w2_t, *dy_q, *dz_q, *dy_t, *wa_t, *dz_t, *x_t;
