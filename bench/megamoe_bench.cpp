@@ -65,9 +65,8 @@ int main(int argc, char** argv) {
   // One FP8 weight buffer per input set (their weights differ); scratch and saved shared.
   testing::DeviceBuffers buffers, second_weights;
   st = testing::make_device_buffers(p, o, true, 0, &buffers);
-  if (st.ok()) st = testing::make_device_buffers(p, o, false, 0, &second_weights);
   if (!st.ok()) return fail(st);
-  second_weights.scratch = testing::DeviceTensor();
+  second_weights.fp8_weights = testing::DeviceTensor(DType::kI32, {buffers.fp8_weights.view().numel()}, 0);
   MoeBuffers bs[2] = {buffers.view(), buffers.view()};
   bs[1].fp8_weights = second_weights.fp8_weights.view().data;
   const MoeBuffers& b = bs[0];
@@ -108,7 +107,8 @@ int main(int argc, char** argv) {
   const double ff = forward_flops(p), bf = backward_flops(p, o.save_policy);
   const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
   const double ws_gib = static_cast<double>(b.scratch_bytes + b.saved_bytes) / (1 << 30);
-  const double io_gib = static_cast<double>(free0 - free1) / (1 << 30) / 2 - ws_gib / 2;  // one input/output set
+  const double fp8_gib = static_cast<double>(2 * b.fp8_weights_bytes) / (1 << 30);  // one buffer per set
+  const double io_gib = (static_cast<double>(free0 - free1) / (1 << 30) - ws_gib - fp8_gib) / 2;  // one set
   const bool fp8 = b.fp8_weights_bytes > 0;
   std::printf("megamoe-bench: %s, %lld tokens, %s%s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
               shape->name, static_cast<long long>(p.num_tokens), to_string(o.precision),

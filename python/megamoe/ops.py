@@ -140,7 +140,8 @@ def fp8_weight_bytes(H: int, I: int, E: int, k: int, precision: str) -> int:
 
 
 class _Fp8Weights:
-    """One layer's FP8 weight buffer and the state of the weights it was filled from."""
+    """One layer's FP8 weight buffer and the state of the weights it was filled from. Not pickled
+    (torch.save of a model, copy.deepcopy): it becomes None and is rebuilt at the next call."""
     __slots__ = ("buf", "key", "__weakref__")
 
     def __init__(self, buf: torch.Tensor):
@@ -149,26 +150,50 @@ class _Fp8Weights:
             _FP8_BYTES[0] += buf.numel()
         weakref.finalize(self, _release_fp8_bytes, buf.numel())
 
+    def __reduce__(self):
+        return _no_fp8_weights, ()
+
+
+def _no_fp8_weights():
+    return None
+
 
 def _release_fp8_bytes(n: int) -> None:
     with _LOCK:
         _FP8_BYTES[0] -= n
 
 
-def _fp8_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str, nbytes: int, cache: bool
-                 ) -> tuple[torch.Tensor, bool]:
-    """The FP8 weight buffer for a forward on (w13, w2) and whether it is current (if not, the caller
-    fills it, and from then on it is). cache=False: a fresh buffer that lives for this call only."""
-    if not cache:
-        return torch.empty(nbytes, dtype=torch.uint8, device=w13.device), False
+def _filled_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, w13c: torch.Tensor, w2c: torch.Tensor, precision: str,
+                        nbytes: int, cache: bool) -> tuple[torch.Tensor, bool]:
+    """The FP8 weight buffer for a call on the caller's (w13, w2) (w13c, w2c: the same in bf16), filled,
+    and whether the layer keeps it (then the backward reads it as it is). It is kept when `cache`, on
+    w13, and refilled only when stale. Not kept: cache=False, weights that are inference tensors, and
+    under torch.compile (its tracing cannot follow the data-pointer and version checks): a buffer of
+    this call's own, filled, which the backward fills again. During CUDA graph capture the fill is
+    always captured, so every replay quantises the weights it finds."""
+    if not cache or w13.is_inference() or w2.is_inference() or torch.compiler.is_compiling():
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=w13.device)
+        fill_fp8_weights(w13c, w2c, buf, precision)
+        return buf, False
     key = (precision, w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, _FP8_GENERATION[0])
     entry = getattr(w13, "_megamoe_fp8", None)
     if entry is None or entry.buf.numel() != nbytes or entry.buf.device != w13.device:
-        entry = _Fp8Weights(torch.empty(nbytes, dtype=torch.uint8, device=w13.device))
+        with torch.inference_mode(False):  # a first call under inference_mode must not make it an inference tensor
+            entry = _Fp8Weights(torch.empty(nbytes, dtype=torch.uint8, device=w13.device))
         w13._megamoe_fp8 = entry
-    ready = entry.key == key
-    entry.key = key  # the caller fills it when it is not ready
-    return entry.buf, ready
+    if entry.key != key or torch.cuda.is_current_stream_capturing():
+        entry.key = None
+        fill_fp8_weights(w13c, w2c, entry.buf, precision)
+        entry.key = key  # only once the fill is queued
+    return entry.buf, True
+
+
+def _fp8_bytes(w13: torch.Tensor, precision: str) -> int:
+    """FP8 weight bytes of a layer with w13 [E, 2I, H] (weight shapes: static under torch.compile)."""
+    if precision not in ("fp8", "fp8_bwd"):
+        return 0
+    E, I2, H = (int(d) for d in w13.shape)
+    return fp8_weight_bytes(H, I2 // 2, E, 1, precision)
 
 
 def _fp8_desc(buf: torch.Tensor) -> _lib.Fp8Weights:
@@ -328,8 +353,7 @@ def _setup_context(ctx, inputs, output):
     # refill it (same weights), which bumps its version. A buffer of the forward's own is not held:
     # the backward fills one of its own.
     ctx.fp8_weights = fp8_weights if fp8_kept and fp8_weights.numel() > 0 else None
-    ctx.fp8_bytes = (fp8_weight_bytes(x.shape[1], w2.shape[2], w13.shape[0], topk_idx.shape[1], precision)
-                     if x.is_cuda and precision in ("fp8", "fp8_bwd") else 0)
+    ctx.fp8_bytes = _fp8_bytes(w13, precision) if x.is_cuda else 0
     # No zero-filled gradient for `saved` (uint8, hundreds of MB): autograd
     # would write one on every backward (measured: 134 us of 7.7 ms at 30B).
     ctx.set_materialize_grads(False)
@@ -410,7 +434,8 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     fp8_weight_cache (fp8 / fp8_bwd on CUDA): keep this layer's weights in e4m3
     between calls, quantised again only after they change (see "FP8 weights"
     in megamoe/ops.py); False: quantise them in every forward and backward and
-    keep nothing.
+    keep nothing. Not kept (as False) under torch.compile and for inference
+    tensors; under CUDA graph capture the quantisation is captured.
     """
     for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
         if value not in table:
@@ -428,14 +453,11 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     wdtype = torch.float64 if compute == torch.float64 else torch.float32
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
     w13c, w2c = w13.to(compute), w2.to(compute)
-    fp8_weights = x.new_empty(0, dtype=torch.uint8)
-    if x.is_cuda and precision in ("fp8", "fp8_bwd"):
-        H, I, E, k = x.shape[1], w2.shape[2], w13.shape[0], topk_idx.shape[1]
-        nbytes = fp8_weight_bytes(H, I, E, k, precision)
-        if fp8_weight_cache or precision == "fp8":  # (fp8_bwd's forward reads none: uncached, its backward fills)
-            fp8_weights, ready = _fp8_weights(w13, w2, precision, nbytes, fp8_weight_cache)
-            if not ready:
-                fill_fp8_weights(w13c, w2c, fp8_weights, precision)
-    y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13c, w2c, fp8_weights, fp8_weight_cache,
+    fp8_weights, fp8_kept = x.new_empty(0, dtype=torch.uint8), False
+    # fp8 reads the FP8 weights in the forward; fp8_bwd only in its backward (filled here if kept).
+    if x.is_cuda and (precision == "fp8" or (precision == "fp8_bwd" and fp8_weight_cache and needs_grad)):
+        fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, precision,
+                                                    _fp8_bytes(w13, precision), fp8_weight_cache)
+    y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13c, w2c, fp8_weights, fp8_kept,
                    precision, needs_grad and save == "keep", validate)
     return y.to(orig)

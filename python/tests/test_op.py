@@ -410,3 +410,16 @@ def test_fp8_weight_bytes_hold_both_orientations_and_the_scales():
     assert fp8_bwd >= 3 * E * I * H + scales and fp8_bwd <= 3 * E * I * H + scales + 4 * 256
     fp8 = megamoe.fp8_weight_bytes(H, I, E, 8, "fp8")  # and the forward's orientation
     assert fp8 - fp8_bwd == align(2 * E * I * H) + align(E * H * I)
+
+
+@cuda_only
+def test_cuda_fp8_weights_first_used_under_inference_mode_then_trained():
+    x, idx, w, w13, w2 = random_inputs(T=128, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", drop=False)
+    w13, w2 = torch.nn.Parameter(w13.detach()), torch.nn.Parameter(w2.detach())
+    with torch.inference_mode():  # an evaluation before training: the kept buffer must stay a normal tensor
+        y_eval = megamoe.moe(x.detach(), idx, w.detach(), w13, w2, precision="fp8")
+    with torch.no_grad():
+        w13.mul_(1.5)  # changed since the evaluation: refilled outside inference mode
+    y = megamoe.moe(x.detach(), idx, w.detach(), w13, w2, precision="fp8")
+    y.float().sum().backward()
+    assert not torch.equal(y.detach(), y_eval) and w13.grad is not None

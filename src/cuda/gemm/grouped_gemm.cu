@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  // A warp gives stage s back to this CTA's producer and, in a pair, to the peer's.
+  // A warp (every lane with kLaneRelease) gives stage s back to this CTA's producer and, in a pair, to the peer's.
   auto release = [&](int s) {
     if (!kLaneRelease && !warp_leader) return;
     mbar_arrive(&ring.empty[s]);

@@ -129,7 +129,7 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
   }
   for (const void* p : {buffers.scratch, buffers.saved})
     if (reinterpret_cast<uintptr_t>(p) % kBufferAlign != 0)
-      return invalid_argument("scratch, saved, fp8_weights: device buffers must be 256-byte aligned");
+      return invalid_argument("scratch, saved: device buffers must be 256-byte aligned");
   MEGAMOE_RETURN_IF_ERROR(check_hopper(device));
   call->slots_at_sources = slots_at_sources;
   call->dims = dims;

@@ -54,8 +54,9 @@ Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f) {
   MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(call.dims, &wl));
   auto q = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.scratch, r) : nullptr; };
   auto s = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.scratch, r) : nullptr; };
-  auto wq = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.fp8_weights, r) : nullptr; };
-  auto ws = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.fp8_weights, r) : nullptr; };
+  // (no weight buffer: an fp8_bwd forward, which reads none)
+  auto wq = [&](const Region& r) { return r.bytes > 0 && b.fp8_weights ? at<uint8_t>(b.fp8_weights, r) : nullptr; };
+  auto ws = [&](const Region& r) { return r.bytes > 0 && b.fp8_weights ? at<float>(b.fp8_weights, r) : nullptr; };
   *f = Fp8Carved{q(l.x_q),     q(l.a_q),    wq(wl.w13_q), wq(wl.w2_q),  wq(wl.w13_t), wq(wl.w2_t),
                  q(l.dy_q),    q(l.dz_q),   q(l.dy_t),    q(l.wa_t),    q(l.dz_t),    q(l.x_t),
                  s(l.x_s),     s(l.a_s),    ws(wl.w13_s), ws(wl.w2_s),  s(l.dy_s),    s(l.dz_s),
