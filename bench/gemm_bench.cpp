@@ -22,6 +22,7 @@
 #include "cuda/fp8/quantize.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
+#include "cuda/moe/layer_kernels.h"
 #include "megamoe/presets.h"
 
 namespace {
@@ -272,6 +273,20 @@ int main(int argc, char** argv) {
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
+  // The pool's gather alone, and fused with the row quantizer (the FP8 forward's x; the backward's dy also keeps bf16).
+  uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
+  uint16_t* pool_copy = random_bf16(C * H, 1.0f, 10);
+  rows.push_back({"gather x pool", median_ms([&] {
+                    CHECK_OK(cuda::gather_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, pool_copy, nullptr));
+                  }, warmup, iters), 0});
+  rows.push_back({"gather+quantize x", median_ms([&] {
+                    CHECK_OK(cuda::gather_quantize_e4m3_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
+                                                             qx, sx, nullptr, nullptr));
+                  }, warmup, iters), 0});
+  rows.push_back({"gather+quantize dy", median_ms([&] {
+                    CHECK_OK(cuda::gather_quantize_e4m3_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
+                                                             qx, sx, pool_copy, nullptr));
+                  }, warmup, iters), 0});
   rows.push_back({"quantize a pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr)); },
                                               warmup, iters), 0});
   rows.push_back({"quantize x cols_t",

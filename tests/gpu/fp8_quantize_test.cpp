@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/fp8/quantize.h"
+#include "cuda/moe/layer_kernels.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
 
@@ -128,6 +129,59 @@ TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
 TEST_P(Fp8Quantize, ManyRowTilesStrideOverTheGrid) {
   MEGAMOE_REQUIRE_GPU();
   expect_row_tiles_match(2731, 4096 + 128, GetParam(), kind());
+}
+
+// The row quantizer fused with the pool gather: for the pool's used rows, the
+// same bytes and scales as gather_rows followed by quantize_e4m3_rows (whose
+// own match with the reference is above), the same bf16 pool when asked for,
+// and nothing written past the used rows. Padding rows (row_src -1) are zeros.
+void expect_gather_matches(int64_t T, int64_t cols, int k, int64_t capacity, int32_t used, cuda::Fp8Scale gpu_kind) {
+  const int64_t tiles = cols / 128;
+  const std::vector<uint16_t> x = make_data(T * cols, 128, 5);
+  std::vector<int32_t> row_src(static_cast<size_t>(capacity), -1);
+  uint32_t state = 7;
+  for (int32_t r = 0; r < used; ++r) {
+    state = state * 1664525u + 1013904223u;
+    row_src[static_cast<size_t>(r)] = (state >> 8) % 5 == 0 ? -1 : static_cast<int32_t>((state >> 8) % (T * k));
+  }
+  Dev<uint16_t> dx(x.size()), pool_ref(static_cast<size_t>(capacity * cols)), pool(static_cast<size_t>(capacity * cols));
+  Dev<int32_t> dsrc(row_src.size()), dused(1);
+  Dev<uint8_t> q_ref(static_cast<size_t>(capacity * cols)), q(static_cast<size_t>(capacity * cols));
+  Dev<float> s_ref(static_cast<size_t>(capacity * tiles)), s(static_cast<size_t>(capacity * tiles));
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dsrc.p, row_src.data(), row_src.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dused.p, &used, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(q.p, 0xAB, static_cast<size_t>(capacity * cols)), cudaSuccess);  // past `used`: must stay
+  ASSERT_EQ(cudaMemset(pool.p, 0xAB, static_cast<size_t>(capacity * cols) * 2), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::gather_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, pool_ref.p, nullptr));
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(pool_ref.p, used, cols, gpu_kind, q_ref.p, s_ref.p, nullptr));
+  MEGAMOE_ASSERT_OK(
+      cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p, pool.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const size_t n = static_cast<size_t>(used * cols), all = static_cast<size_t>(capacity * cols);
+  const auto qg = q.get(all), qr = q_ref.get(n);
+  const auto sg = s.get(static_cast<size_t>(used * tiles)), sr = s_ref.get(static_cast<size_t>(used * tiles));
+  const auto pg = pool.get(all), pr = pool_ref.get(n);
+  int64_t q_differ = 0, s_differ = 0, pool_differ = 0, written_past = 0;
+  for (size_t i = 0; i < n; ++i) q_differ += qg[i] != qr[i], pool_differ += pg[i] != pr[i];
+  for (size_t i = 0; i < sg.size(); ++i) s_differ += float_bits(sg[i]) != float_bits(sr[i]);
+  for (size_t i = n; i < all; ++i) written_past += qg[i] != 0xAB || pg[i] != 0xABAB;
+  EXPECT_EQ(q_differ, 0);
+  EXPECT_EQ(s_differ, 0);
+  EXPECT_EQ(pool_differ, 0);
+  EXPECT_EQ(written_past, 0);
+  // Without the bf16 copy: the same e4m3 rows.
+  ASSERT_EQ(cudaMemset(q.p, 0, all), cudaSuccess);
+  MEGAMOE_ASSERT_OK(
+      cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p, nullptr, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(q.get(n), qr);
+}
+
+TEST_P(Fp8Quantize, GatheredRowTilesAreTheGatheredPoolQuantised) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_gather_matches(300, 384, 3, 1024, 900, kind());
+  expect_gather_matches(2000, 2048, 8, 9000, 8837, kind());  // more tiles than one pass of the grid
 }
 
 TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {

@@ -37,17 +37,47 @@ constexpr int kHalfSteps = 4;                       // tiles per half-warp per s
 constexpr int kTilesInFlight = 2 * kHalfSteps;      // per warp
 constexpr int kRowThreads = 256;
 
-__global__ void quantize_rows_kernel(const __nv_bfloat16* x, int64_t tiles, Fp8Scale kind, uint8_t* q,
-                                     float* scales) {
+// Where a tile's values come from: consecutive rows of x (Rows), or pool
+// rows gathered from token rows as gather_rows does it (Gather: pool row r is
+// x row row_src[r] / k, zeros where row_src[r] < 0; the pool's used rows are
+// *pool_rows, read on the device; `copy`, if set, receives the bf16 pool too).
+struct RowsSource {
+  const __nv_bfloat16* x;
+  int64_t tiles;
+  __device__ int64_t count() const { return tiles; }
+  __device__ const __nv_bfloat16* tile(int64_t t) const { return x + t * kTile; }
+  __device__ void copy(int64_t, int, uint4) const {}
+};
+struct GatherSource {
+  const __nv_bfloat16* x;
+  const int32_t* row_src;
+  const int32_t* pool_rows;
+  int k;
+  int64_t segs;  // tiles per row: cols / 128
+  uint4* pool;   // optional bf16 copy [capacity, cols]
+  __device__ int64_t count() const { return static_cast<int64_t>(*pool_rows) * segs; }
+  __device__ const __nv_bfloat16* tile(int64_t t) const {
+    const int32_t s = row_src[t / segs];
+    return s < 0 ? nullptr : x + (static_cast<int64_t>(s / k) * segs + t % segs) * kTile;
+  }
+  __device__ void copy(int64_t t, int hl, uint4 v) const {
+    if (pool != nullptr) pool[t * (kTile / 8) + hl] = v;
+  }
+};
+
+template <typename Source>
+__global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q, float* scales) {
   const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t tiles = src.count();
   for (int64_t base = warp * kTilesInFlight; base < tiles; base += warps * kTilesInFlight) {
     uint4 raw[kHalfSteps];
 #pragma unroll
     for (int u = 0; u < kHalfSteps; ++u) {
       const int64_t t = base + 2 * u + half;
-      raw[u] = t < tiles ? __ldg(reinterpret_cast<const uint4*>(x + t * kTile) + hl) : make_uint4(0, 0, 0, 0);
+      const __nv_bfloat16* from = t < tiles ? src.tile(t) : nullptr;
+      raw[u] = from != nullptr ? __ldg(reinterpret_cast<const uint4*>(from) + hl) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kHalfSteps; ++u) {
@@ -71,6 +101,7 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* x, int64_t tiles, Fp8S
       if (t < tiles) {
         reinterpret_cast<uint2*>(q + t * kTile)[hl] = packed;
         if (hl == 0) scales[t] = s;
+        src.copy(t, hl, raw[u]);
       }
     }
   }
@@ -195,6 +226,20 @@ Status check_shape(const char* what, int64_t rows, int64_t cols) {
   return Status::Ok();
 }
 
+// Blocks of the row quantizers: one pass of the grid covers up to 8 blocks per
+// SM (2048 threads: full occupancy); the rest stride.
+unsigned row_blocks(int64_t tiles) {
+  static const int sm_count = [] {  // thread-safe once; the machines' GPUs are alike
+    int device = 0, n = 0;
+    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && n > 0;
+    return ok ? n : 132;
+  }();
+  const int64_t tiles_per_block = kTilesInFlight * (kRowThreads / 32);
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((tiles + tiles_per_block - 1) / tiles_per_block, int64_t{8} * sm_count)));
+}
+
 }  // namespace
 
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
@@ -208,18 +253,29 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
     return invalid_argument("fp8 row quantizer: x must be 16-byte and q 8-byte aligned");
   const int64_t tiles = rows * (cols / kTile);
-  const int64_t tiles_per_block = kTilesInFlight * (kRowThreads / 32);
-  // One pass of the grid covers up to 8 blocks per SM (2048 threads: full occupancy); the rest stride.
-  static const int sm_count = [] {  // thread-safe once; the machines' GPUs are alike
-    int device = 0, n = 0;
-    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && n > 0;
-    return ok ? n : 132;
-  }();
-  const int64_t blocks = std::min<int64_t>((tiles + tiles_per_block - 1) / tiles_per_block, int64_t{8} * sm_count);
-  quantize_rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), tiles, scale, q, scales);
+  quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
+      RowsSource{static_cast<const __nv_bfloat16*>(x), tiles}, scale, q, scales);
   return cuda_status("fp8 row quantizer", cudaGetLastError());
+}
+
+Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* row_src, int top_k,
+                                 const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q,
+                                 float* scales, void* pool, cudaStream_t stream) {
+  if (capacity <= 0 || cols <= 0 || cols % kTile != 0 || top_k <= 0)
+    return invalid_argument("fp8 gathering row quantizer: capacity = " + std::to_string(capacity) + " and top_k = " +
+                            std::to_string(top_k) + " must be positive, cols = " + std::to_string(cols) +
+                            " a positive multiple of 128");
+  if (src == nullptr || row_src == nullptr || pool_rows == nullptr || q == nullptr || scales == nullptr)
+    return invalid_argument("fp8 gathering row quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(pool) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(q) % 8 != 0)
+    return invalid_argument("fp8 gathering row quantizer: src and pool must be 16-byte, q 8-byte aligned");
+  // The grid is sized for the capacity (the used rows are known on the device only) and strides.
+  quantize_rows_kernel<<<row_blocks(capacity * (cols / kTile)), kRowThreads, 0, stream>>>(
+      GatherSource{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k, cols / kTile,
+                   static_cast<uint4*>(pool)},
+      scale, q, scales);
+  return cuda_status("fp8 gathering row quantizer", cudaGetLastError());
 }
 
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,

@@ -34,6 +34,16 @@ enum class Fp8Scale { kFloat32, kPowerOfTwo };
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
                           cudaStream_t stream);
 
+// The row quantizer fused with the pool gather (cuda/moe/layer_kernels.h
+// gather_rows): pool row r < *pool_rows is src row row_src[r] / top_k, zeros
+// where row_src[r] < 0; q [capacity, cols], scales [capacity, cols / 128] for
+// those rows, bitwise what quantize_e4m3_rows makes of the gathered pool;
+// rows from *pool_rows on are not written. pool (may be null): the bf16 rows
+// as gather_rows writes them, when a later step still needs them.
+Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* row_src, int top_k,
+                                 const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q,
+                                 float* scales, void* pool, cudaStream_t stream);
+
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
 

@@ -72,12 +72,15 @@ Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, c
   return detail::fill_fp8_weights(call, f, in.w13, in.w2);
 }
 
-// GEMM1 + SwiGLU over the gathered x pool in the forward's precision: z into
-// z_pool, a into a_pool (either may be null).
-Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w13,
-               void* z_pool, void* a_pool, int sms) {
-  if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, w13, z_pool, a_pool, sms);
+// x gathered into the pool, then GEMM1 + SwiGLU in the forward's precision: z
+// into z_pool, a into a_pool (either may be null). FP8 quantises the rows as
+// it gathers them (no bf16 x pool).
+Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
+               const void* w13, void* z_pool, void* a_pool, int sms) {
+  if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
+  MEGAMOE_RETURN_IF_ERROR(
+      gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
   g.out0 = z_pool, g.out1 = a_pool;
@@ -167,14 +170,12 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   Fp8Carved f;  // null regions unless the precision quantises
   MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
   MEGAMOE_RETURN_IF_ERROR(refresh_fp8_weights(call, buffers, f, in, fp8_forward(d)));
-  const int64_t H = d.hidden, C = c.capacity, T = d.tokens;
+  const int64_t H = d.hidden, T = d.tokens;
   const int sms = sm_count(call.device);
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = device_plan(c.pv.plan, d);
-  MEGAMOE_RETURN_IF_ERROR(
-      gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
   void* z_keep = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
-  MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.w13, z_keep, c.a_pool, sms));
+  MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, z_keep, c.a_pool, sms));
   MEGAMOE_RETURN_IF_ERROR(down(call, plan, c, f, in.w2, in.topk_weights, sms));
 
   return combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key, call.errors, y,
@@ -196,18 +197,16 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
 
   if (buffers.saved == nullptr) {  // nothing saved: rebuild the plan and z in scratch, as the forward made it
     MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-    MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.w13, c.pv.z_pool, nullptr, sms));
+    MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, c.pv.z_pool, nullptr, sms));
   }
-  // xdy_pool now takes dy (x is gathered again for dW13 at the end).
-  MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-
+  // xdy_pool now takes dy (x is gathered again for dW13 at the end); FP8 quantises dy as it gathers it.
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
-        fp8_data_grad_gemms(call, plan, c, f, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
+        fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   } else {
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
     MEGAMOE_RETURN_IF_ERROR(
         detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   }

@@ -3,8 +3,9 @@
 // row tiles along K for activations and output gradients, 128 x 128 blocks for
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
-// Quantisation runs as separate passes over the pools (not yet fused into the
-// epilogues). The e4m3 weights come from the caller's buffer
+// x and dy are quantised as they are gathered into the pool; a, dz and the
+// weight-gradient operands by separate passes over the pools (not yet fused
+// into the epilogues that produce them). The e4m3 weights come from the caller's buffer
 // (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
 // it is not current. Host code; async on the call's stream.
 #pragma once
@@ -17,18 +18,21 @@ namespace megamoe::cuda::detail {
 // transposed, one scale per block.
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
 
-// The forward's GEMMs over the gathered x pool (weights from f): x quantised, then
-// kGateUp (z into z_pool when not null, a into the a pool), a quantised, kDown
-// into the slots. Also the backward's recomputation of z (z_pool, a_pool null).
+// The forward's GEMMs (weights from f): x's rows gathered into the pool as
+// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool), kGateUp (z into z_pool
+// when not null, a into the a pool), a quantised, kDown into the slots. Also
+// the backward's recomputation of z (z_pool, a_pool null).
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                   const void* w13, void* z_pool, void* a_pool, int sms);
+                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms);
 Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
                 const float* topk_weights, int sms);
 
-// The backward's data-gradient GEMMs in FP8 over the pool holding dy (as
-// data_grad_gemms), on the weights' transposed copies in f.
+// The backward's data-gradient GEMMs in FP8 (as data_grad_gemms), on the
+// weights' transposed copies in f: dy's rows gathered into the pool (bf16,
+// for dW2) and quantised in the same pass.
 Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                           const void* w2, const void* w13, const float* topk_weights, float* d_topk, int sms);
+                           const void* dy, const void* w2, const void* w13, const float* topk_weights, float* d_topk,
+                           int sms);
 
 // dW[e] = A^T B over each expert's pool rows in FP8, from the bf16 pools a
 // [C, m] and b [C, n], each quantised per 128 rows of each column first into
