@@ -107,26 +107,34 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
   }
 }
 
-// One 256-thread block per 128 x 128 tile; each thread 64 values (8 rows x 8
-// columns: row r0 + 16 i, columns 8 (t % 16) ..). The transposed copy goes
-// through shared memory so that both stores are row-contiguous.
-__global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
+// One 256-thread block per 128 x 128 tile; each thread 64 values: 8
+// consecutive rows r0 .. r0 + 7 (r0 = 8 (t / 16)) x 8 columns c8 .. c8 + 7
+// (c8 = 8 (t % 16)), so 16 threads cover each row (16-byte loads, 8-byte q
+// stores). The transposed copy goes through shared memory: a thread's 8
+// values of one column are 8 consecutive rows of the transposed tile, one
+// 8-byte store (the byte-wide form, 64 one-byte stores per thread with bank
+// conflicts, ran at ~2.5 TB/s), read back 8 bytes at a time.
+constexpr int kTransposePitch = kTile + 8;  // bytes per row of the transposed tile (8-byte aligned)
+
+__global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
                                        uint8_t* q_t, float* scales) {
   __shared__ float warp_amax[8];
-  __shared__ uint8_t tile_t[kTile][kTile + 4];  // [column][row], padded against bank conflicts
+  __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
   const int64_t tiles_r = rows / kTile, tiles_c = cols / kTile;
   const int64_t b = blockIdx.x / (tiles_r * tiles_c), rc = blockIdx.x % (tiles_r * tiles_c);
   const int64_t tr = rc / tiles_c, tc = rc % tiles_c;
   const __nv_bfloat16* src = w + b * rows * cols + tr * kTile * cols + tc * kTile;
-  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = t / 16;
-  float v[8][8];
+  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
+  uint4 raw[8];  // the values stay bf16 in registers (32, not 64: occupancy) until quantised
+#pragma unroll
+  for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
   float amax = 0.0f;
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + 16 * i) * cols + c8);
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = __bfloat1622float2(pairs[j]);
-      v[i][2 * j] = f.x, v[i][2 * j + 1] = f.y;
       amax = fold_amax(fold_amax(amax, f.x), f.y);
     }
   }
@@ -137,27 +145,37 @@ __global__ void quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int
   for (int i = 0; i < 8; ++i) amax = fold_amax(amax, warp_amax[i]);
   const float s = tile_scale(amax, kind);
   uint8_t* dst = q == nullptr ? nullptr : q + b * rows * cols + tr * kTile * cols + tc * kTile;
+  uint32_t packed[8][2];  // row r0 + i: columns c8 .. c8 + 7, one byte each
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = r0 + 16 * i;
-    uint2 packed = make_uint2(0, 0);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+    packed[i][0] = packed[i][1] = 0;
+#pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint8_t e = to_e4m3(v[i][j], s);
-      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(e) << (8 * (j % 4));
-      if (q_t != nullptr) tile_t[c8 + j][r] = e;
+      const float2 f = __bfloat1622float2(pairs[j / 2]);
+      packed[i][j / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, s)) << (8 * (j % 4));
     }
-    if (dst != nullptr) *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r) * cols + c8) = packed;
+    if (dst != nullptr)
+      *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r0 + i) * cols + c8) = make_uint2(packed[i][0], packed[i][1]);
   }
   if (t == 0) scales[b * tiles_r * tiles_c + tr * tiles_c + tc] = s;
   if (q_t == nullptr) return;
+  // The 8 x 8 bytes transposed in registers: column c8 + j is byte j of each row's pair.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t col[2] = {0, 0};  // rows r0 .. r0 + 7 of column c8 + j
+#pragma unroll
+    for (int i = 0; i < 8; ++i) col[i / 4] |= ((packed[i][j / 4] >> (8 * (j % 4))) & 0xFFu) << (8 * (i % 4));
+    *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) = make_uint2(col[0], col[1]);
+  }
   __syncthreads();
-  // q_t [batch, cols, rows]: row c of the transposed tile holds column c of the tile.
+  // q_t [batch, cols, rows]: row c of the transposed tile holds column c of the tile; 16 threads per row.
   uint8_t* dst_t = q_t + b * cols * rows + tc * kTile * rows + tr * kTile;
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int c = r0 + 16 * i;
-    uint2 packed = make_uint2(0, 0);
-    for (int j = 0; j < 8; ++j)
-      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(tile_t[c][c8 + j]) << (8 * (j % 4));
-    *reinterpret_cast<uint2*>(dst_t + static_cast<int64_t>(c) * rows + c8) = packed;
+    const int c = t / 16 + 16 * i;
+    *reinterpret_cast<uint2*>(dst_t + static_cast<int64_t>(c) * rows + c8) =
+        *reinterpret_cast<const uint2*>(&tile_t[c][c8]);
   }
 }
 
