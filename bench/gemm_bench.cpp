@@ -287,6 +287,9 @@ int main(int argc, char** argv) {
                     CHECK_OK(cuda::gather_quantize_e4m3_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
                                                              qx, sx, pool_copy, nullptr));
                   }, warmup, iters), 0});
+  rows.push_back({"quantize w13 q+t", median_ms([&] {
+                    CHECK_OK(cuda::quantize_e4m3_blocks(w13, E, 2 * I, H, kScale, qw13, qw13_t, sw13, nullptr));
+                  }, warmup, iters), 0});
   rows.push_back({"quantize a pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa, nullptr)); },
                                               warmup, iters), 0});
   rows.push_back({"quantize x cols_t",
