@@ -24,6 +24,17 @@ __device__ __forceinline__ float fold_amax(float amax, float v) {
   return (a != a || amax != amax) ? __int_as_float(0x7FC00000) : fmaxf(amax, a);
 }
 
+// The amax of 8 bf16 values (one 16-byte load) as fold_amax would fold them:
+// |v| and the maximum taken on bf16 pairs (exact: the values are bf16; NaN
+// propagates), then a NaN made the canonical one fold_amax returns.
+__device__ __forceinline__ float amax_of_8(const uint4& raw) {
+  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])),
+                                       __hmax2_nan(__habs2(p[2]), __habs2(p[3])));
+  const float2 f = __bfloat1622float2(m);
+  return fold_amax(fabsf(f.x), f.y);
+}
+
 __device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3));
 }
@@ -53,12 +64,13 @@ struct GatherSource {
   const int32_t* row_src;
   const int32_t* pool_rows;
   int k;
-  int64_t segs;  // tiles per row: cols / 128
-  uint4* pool;   // optional bf16 copy [capacity, cols]
+  uint32_t segs;  // tiles per row: cols / 128; tile indices fit 31 bits (checked at launch)
+  uint4* pool;    // optional bf16 copy [capacity, cols]
   __device__ int64_t count() const { return static_cast<int64_t>(*pool_rows) * segs; }
   __device__ const __nv_bfloat16* tile(int64_t t) const {
-    const int32_t s = row_src[t / segs];
-    return s < 0 ? nullptr : x + (static_cast<int64_t>(s / k) * segs + t % segs) * kTile;
+    const uint32_t t32 = static_cast<uint32_t>(t), r = t32 / segs;  // (a 64-bit division is a long software sequence)
+    const int32_t s = row_src[r];
+    return s < 0 ? nullptr : x + (static_cast<int64_t>(s / k) * segs + (t32 - r * segs)) * kTile;
   }
   __device__ void copy(int64_t t, int hl, uint4 v) const {
     if (pool != nullptr) pool[t * (kTile / 8) + hl] = v;
@@ -84,13 +96,12 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
       const int64_t t = base + 2 * u + half;
       const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
       float v[8];
-      float amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float2 f = __bfloat1622float2(pairs[i]);
         v[2 * i] = f.x, v[2 * i + 1] = f.y;
-        amax = fold_amax(fold_amax(amax, f.x), f.y);
       }
+      float amax = amax_of_8(raw[u]);
       // Over the half-warp only (xor offsets below 16); every lane takes part.
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
@@ -130,14 +141,7 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
   for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(pairs[j]);
-      amax = fold_amax(fold_amax(amax, f.x), f.y);
-    }
-  }
+  for (int i = 0; i < 8; ++i) amax = fold_amax(amax, amax_of_8(raw[i]));
   for (int o = 16; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
   if ((t & 31) == 0) warp_amax[t / 32] = amax;
   __syncthreads();
@@ -288,10 +292,13 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
   if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(pool) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(q) % 8 != 0)
     return invalid_argument("fp8 gathering row quantizer: src and pool must be 16-byte, q 8-byte aligned");
+  if (capacity > (int64_t{1} << 31) / (cols / kTile))
+    return invalid_argument("fp8 gathering row quantizer: " + std::to_string(capacity) + " rows of " +
+                            std::to_string(cols) + " columns exceed 2^31 tiles");
   // The grid is sized for the capacity (the used rows are known on the device only) and strides.
   quantize_rows_kernel<<<row_blocks(capacity * (cols / kTile)), kRowThreads, 0, stream>>>(
-      GatherSource{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k, cols / kTile,
-                   static_cast<uint4*>(pool)},
+      GatherSource{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k,
+                   static_cast<uint32_t>(cols / kTile), static_cast<uint4*>(pool)},
       scale, q, scales);
   return cuda_status("fp8 gathering row quantizer", cudaGetLastError());
 }
