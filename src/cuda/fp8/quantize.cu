@@ -185,59 +185,72 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
 
 // One 256-thread block per 128 x 128 tile of x, quantised as 128 columns of
 // 128 x 1 tiles (a weight-gradient operand: K = rows = tokens). Each thread
-// holds 64 values (rows r0 + 16 i, columns c8 ..); the column amaxes meet in
-// shared memory (16 partials per column); the e4m3 bytes leave transposed
-// through shared memory, so that the q_t rows (x's columns) are stored
-// contiguously.
-__global__ void quantize_cols_t_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, Fp8Scale kind,
-                                       uint8_t* q_t, float* scales) {
-  __shared__ float partial[16][kTile];          // [row group r0][column]
+// holds 64 values as bf16: 8 consecutive rows r0 .. r0 + 7 (r0 = 8 (t / 16))
+// x 8 columns c8 .. (c8 = 8 (t % 16)); the column amaxes meet in shared
+// memory (16 partials per column); a thread's 8 e4m3 bytes of one column
+// are 8 consecutive bytes of the transposed tile (one 8-byte shared store;
+// the byte-wide form ran at ~1 TB/s), read back 8 bytes at a time so that
+// the q_t rows (x's columns) are stored contiguously.
+__global__ void __launch_bounds__(256) quantize_cols_t_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+                                                              Fp8Scale kind, uint8_t* q_t, float* scales) {
+  __shared__ float partial[16][kTile];  // [row group][column]
   __shared__ float col_scale[kTile];
-  __shared__ uint8_t tile_t[kTile][kTile + 8];  // [column][row], padded against bank conflicts
+  __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
   const int64_t tiles_c = cols / kTile;
   const int64_t tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
   const __nv_bfloat16* src = x + tr * kTile * cols + tc * kTile;
-  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = t / 16;
-  float v[8][8];
-  float amax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
+  uint4 raw[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
+  // Column amaxes over this thread's 8 rows, on bf16 pairs (exact; NaN propagates).
+  __nv_bfloat162 m[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) m[j] = __habs2(reinterpret_cast<const __nv_bfloat162*>(&raw[0])[j]);
+#pragma unroll
+  for (int i = 1; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m[j] = __hmax2_nan(m[j], __habs2(reinterpret_cast<const __nv_bfloat162*>(&raw[i])[j]));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(m[j]);
+    partial[t / 16][c8 + 2 * j] = fold_amax(0.0f, f.x);  // (fold_amax: the canonical NaN)
+    partial[t / 16][c8 + 2 * j + 1] = fold_amax(0.0f, f.y);
+  }
+  __syncthreads();
+  if (t < kTile) {
+    float mx = 0.0f;
+    for (int g = 0; g < 16; ++g) mx = fold_amax(mx, partial[g][t]);
+    const float sc = tile_scale(mx, kind);
+    col_scale[t] = sc;
+    scales[tr * cols + tc * kTile + t] = sc;
+  }
+  __syncthreads();
+  float sc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sc[j] = col_scale[c8 + j];
+  uint32_t col[8][2];  // column c8 + j: rows r0 .. r0 + 7, one byte each
+#pragma unroll
+  for (int j = 0; j < 8; ++j) col[j][0] = col[j][1] = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + 16 * i) * cols + c8);
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(pairs[j]);
-      v[i][2 * j] = f.x, v[i][2 * j + 1] = f.y;
-      amax[2 * j] = fold_amax(amax[2 * j], f.x);
-      amax[2 * j + 1] = fold_amax(amax[2 * j + 1], f.y);
+    for (int j = 0; j < 8; ++j) {
+      const float2 f = __bfloat1622float2(pairs[j / 2]);
+      col[j][i / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, sc[j])) << (8 * (i % 4));
     }
   }
 #pragma unroll
-  for (int j = 0; j < 8; ++j) partial[r0][c8 + j] = amax[j];
+  for (int j = 0; j < 8; ++j) *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) = make_uint2(col[j][0], col[j][1]);
   __syncthreads();
-  if (t < kTile) {
-    float m = 0.0f;
-    for (int g = 0; g < 16; ++g) m = fold_amax(m, partial[g][t]);
-    const float s = tile_scale(m, kind);
-    col_scale[t] = s;
-    scales[tr * cols + tc * kTile + t] = s;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float s = col_scale[c8 + j];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) tile_t[c8 + j][r0 + 16 * i] = to_e4m3(v[i][j], s);
-  }
-  __syncthreads();
-  // q_t [cols, rows]: row c of the transposed tile holds column c of the tile.
+  // q_t [cols, rows]: row c of the transposed tile holds column c of the tile; 16 threads per row.
   uint8_t* dst = q_t + tc * kTile * rows + tr * kTile;
+#pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int c = r0 + 16 * i;
-    uint2 packed = make_uint2(0, 0);
-    for (int j = 0; j < 8; ++j)
-      (j < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(tile_t[c][c8 + j]) << (8 * (j % 4));
-    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(c) * rows + c8) = packed;
+    const int c = t / 16 + 16 * i;
+    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(c) * rows + c8) =
+        *reinterpret_cast<const uint2*>(&tile_t[c][c8]);
   }
 }
 
