@@ -6,6 +6,8 @@ process (this script with --child), built and stepped by megamoe.train
 (build_model, batches, train_step: the trainer's own step, not a copy).
 
   mega_moe            megamoe's experts (use_megamoe_experts)
+  mega_moe_fp8        the same with precision "fp8" (opt-in; CUDA runs the FP8 layer)
+  mega_moe_fp8_bwd    the same with precision "fp8_bwd" (opt-in)
   grouped_mm          transformers' grouped_mm experts implementation, eager
   grouped_mm_compile  the same, every decoder layer under torch.compile (regional
                       compilation: one compiled graph reused by all layers)
@@ -43,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from megamoe import train  # noqa: E402
 from child_runs import ChildRuns, finish_child  # noqa: E402  (bench/ is on sys.path when this script runs)
 
-DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager")
+DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager", "mega_moe_fp8", "mega_moe_fp8_bwd")
+PRECISION_OF = {"mega_moe_fp8": "fp8", "mega_moe_fp8_bwd": "fp8_bwd"}  # megamoe dispatch rows in FP8
 DEFAULT_DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile")
 LOSS_FLAG = 2e-2  # relative difference of the first step's loss vs grouped_mm that fails the run
 GIB = float(1 << 30)
@@ -90,8 +93,9 @@ def run_child(args) -> dict:
         cfg = train.TrainConfig(preset=args.preset, num_layers=layers, steps=args.warmup + args.steps,
                                 batch_size=args.batch, seq_len=args.seq, lr=args.lr, device=args.device,
                                 dtype="bfloat16" if cuda else "float32", activation_checkpointing=ckpt,
-                                seed=args.seed, precision="bf16",
-                                dispatch="grouped_mm" if dispatch == "grouped_mm_compile" else dispatch)
+                                seed=args.seed, precision=PRECISION_OF.get(dispatch, "bf16"),
+                                dispatch={"grouped_mm_compile": "grouped_mm", "mega_moe_fp8": "mega_moe",
+                                          "mega_moe_fp8_bwd": "mega_moe"}.get(dispatch, dispatch))
         train.validate(cfg)
         phase = "build"
         model = train.build_model(cfg, device)
@@ -146,7 +150,7 @@ def run_child(args) -> dict:
                 "driver_after_backward_bytes": max(s["driver_bytes"] for s in after_bwd) if after_bwd else None,
                 "context_bytes": context,
             }
-        if dispatch == "mega_moe":
+        if dispatch.startswith("mega_moe"):
             import megamoe
 
             stats = getattr(megamoe, "memory_stats", None)
@@ -195,9 +199,11 @@ def row_line(r: dict) -> str:
     if r["status"] != "ok":
         return f"{lead} {r['status'].upper()}: {r['error']}"
     scratch = (r.get("megamoe_memory_stats") or {}).get("scratch_bytes")
+    fp8 = (r.get("megamoe_memory_stats") or {}).get("fp8_weight_bytes")
     return (f"{lead} {r['step_ms']:9.1f} {r['tokens_per_s']:10.0f} {gib(mem(r, 'max_memory_allocated_bytes')):>9} "
             f"{gib(mem(r, 'driver_peak_bytes')):>9} {gib(mem(r, 'driver_after_backward_bytes')):>9} "
-            f"{'-' if scratch is None else f'{scratch / 2**20:.0f}':>8} {r['first_step_s']:7.1f}  "
+            f"{'-' if scratch is None else f'{scratch / 2**20:.0f}':>8} "
+            f"{'-' if not fp8 else f'{fp8 / 2**20:.0f}':>8} {r['first_step_s']:7.1f}  "
             + " ".join(f"{v:.4f}" for v in r["losses"][:3]))
 
 
@@ -211,9 +217,10 @@ def report(args, results: list[dict]) -> list[str]:
           "one process per row")
     print("alloc = torch.cuda.max_memory_allocated; drv = device memory in use per the driver minus the CUDA "
           "context, max over samples after every step and after every backward; drv bwd = max of the after-backward "
-          "samples; scratch = megamoe.memory_stats() scratch_bytes. GiB.\n")
+          "samples; scr = megamoe.memory_stats() scratch_bytes, fp8 = its fp8_weight_bytes (all layers' FP8 weights, "
+          "inside drv). GiB unless MiB.\n")
     head = (f"{'layers':>6} {'ckpt':>4} {'dispatch':<19} {'step ms':>9} {'tok/s':>10} {'alloc':>9} {'drv':>9} "
-            f"{'drv bwd':>9} {'scr MiB':>8} {'first s':>7}  first losses")
+            f"{'drv bwd':>9} {'scr MiB':>8} {'fp8 MiB':>8} {'first s':>7}  first losses")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -261,6 +268,18 @@ def report(args, results: list[dict]) -> list[str]:
                         if diff > LOSS_FLAG:
                             fails.append(f"layers {L} ckpt {c} {d}: first loss {r['losses'][0]:.5f} vs grouped_mm "
                                          f"{ref['losses'][0]:.5f} (rel. diff {diff:.2e} > {LOSS_FLAG:g})")
+    # The FP8 rows over megamoe's bf16 row.
+    for L in args.layers:
+        for c in args.ckpt:
+            b16 = ok.get((L, c == "on", "mega_moe"))
+            for d in PRECISION_OF:
+                f8 = ok.get((L, c == "on", d))
+                if b16 and f8:
+                    parts = [f"step {f8['step_ms'] / b16['step_ms']:.3f} (speed-up {b16['step_ms'] / f8['step_ms']:.2f}x)"]
+                    for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
+                        if mem(f8, key) and mem(b16, key):
+                            parts.append(f"{name} {mem(f8, key) / mem(b16, key):.3f}")
+                    print(f"  layers {L:<3} ckpt {c:<3} {d} vs mega_moe (bf16): " + "  ".join(parts))
     diffs = [r["first_loss_rel_diff_vs_grouped_mm"] for r in ok.values() if "first_loss_rel_diff_vs_grouped_mm" in r]
     if diffs:
         print(f"\nlargest relative difference of the first step's loss vs grouped_mm: {max(diffs):.2e} "
