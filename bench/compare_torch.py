@@ -7,6 +7,13 @@ Times forward, backward and forward+backward (bf16) for these backends:
   grouped_mm_compile  the same pipeline under torch.compile (its backward compiled by AOTAutograd)
   sonicmoe            SonicMoE's moe_general_routing_inputs, when importable
   hf_eager            the Hugging Face per-expert loop (opt-in: --backends ...,hf_eager)
+FP8 rows (opt-in; issue 12), compared among themselves ("vs best" = the
+fastest FP8 baseline) and checked against fp64 with the FP8 flag:
+  megamoe_fp8         megamoe.moe(precision="fp8")   (weights cached between calls)
+  megamoe_fp8_bwd     megamoe.moe(precision="fp8_bwd")
+  scaled_grouped_mm   the grouped_mm pipeline with every GEMM in e4m3 through
+                      torch._scaled_grouped_mm, forward and backward (bench/fp8_grouped_mm.py)
+  scaled_grouped_mm_compile  the same under torch.compile
 
 Each (backend, shape) runs in its own process (this script with --backend), so
 memory is measured alone: torch.cuda.max_memory_allocated and device memory
@@ -51,13 +58,18 @@ sys.path.insert(0, str(REPO / "python"))
 from megamoe.train import PRESETS as MODEL_PRESETS  # noqa: E402  (one definition of the shapes)
 from child_runs import ChildRuns, finish_child  # noqa: E402  (bench/ is on sys.path when this script runs)
 
-BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe", "hf_eager")
+BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe", "hf_eager", "megamoe_fp8", "megamoe_fp8_bwd",
+            "scaled_grouped_mm", "scaled_grouped_mm_compile")
 DEFAULT_BACKENDS = ("megamoe", "grouped_mm", "grouped_mm_compile", "sonicmoe")
 QUICK_BACKENDS = ("megamoe", "grouped_mm")
 BASELINES = ("grouped_mm", "grouped_mm_compile", "sonicmoe")  # "vs best" = the fastest of these
+FP8_BASELINES = ("scaled_grouped_mm", "scaled_grouped_mm_compile")  # ... for the FP8 rows
+FP8_ROWS = ("megamoe_fp8", "megamoe_fp8_bwd") + FP8_BASELINES
+MEGAMOE_PRECISION = {"megamoe": "bf16", "megamoe_fp8": "fp8", "megamoe_fp8_bwd": "fp8_bwd"}
 SLOW_FIRST_CALL = ("sonicmoe",)  # compiles 2-4 min per shape: run after the others, so a deadline hits it last
 ALL_PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 ERR_FLAG = 2e-2  # relative error vs the fp64 reference above which a row is flagged (exit status 1)
+ERR_FLAG_FP8 = 1e-1  # the same for the FP8 rows (e4m3 operands: docs/numerics.md)
 FLUSH_BYTES = 256 << 20  # written before every timed region: > 4x the H200's L2
 GIB = float(1 << 30)
 PHASES = ("fwd", "bwd", "fwd+bwd")
@@ -305,14 +317,14 @@ class TorchImpl:
 
 
 class MegaMoeImpl(TorchImpl):
-    def __init__(self, inputs: Inputs, args, scale: float):
+    def __init__(self, inputs: Inputs, args, scale: float, precision: str = "bf16"):
         import megamoe
 
         self.megamoe, self.save = megamoe, args.save
         self.bwd_flops_per_route = 16 if args.save == "recompute" else 12
 
         def forward(x, idx, w, w13, w2):
-            return megamoe.moe(x, idx, w, w13, w2, precision="bf16", save=self.save)
+            return megamoe.moe(x, idx, w, w13, w2, precision=precision, save=self.save)
 
         super().__init__(forward, inputs, scale)
 
@@ -394,8 +406,17 @@ def preflight(name: str, device: torch.device) -> None:
 
 def make_impl(name: str, inputs: Inputs, args, device: torch.device) -> TorchImpl:
     scale = args.perturb_scale if args.perturb == name else 1.0
-    if name == "megamoe":
-        return MegaMoeImpl(inputs, args, scale)
+    if name in MEGAMOE_PRECISION:
+        return MegaMoeImpl(inputs, args, scale, MEGAMOE_PRECISION[name])
+    if name in FP8_BASELINES:
+        from fp8_grouped_mm import fp8_gmm
+
+        def fwd_fp8(x, idx, w, w13, w2):  # K groups of the weight gradient on 16-row boundaries
+            return grouped_mm_forward(x, idx, w, w13, w2, gmm=fp8_gmm, align=max(16, args.gmm_align))
+
+        if name == "scaled_grouped_mm":
+            return TorchImpl(fwd_fp8, inputs, scale)
+        return TorchImpl(torch.compile(fwd_fp8, mode=args.compile_mode, dynamic=False), inputs, scale)
     if name in ("grouped_mm", "grouped_mm_compile"):
         gmm, _ = pick_grouped_mm(device)
         align = args.gmm_align
@@ -564,8 +585,12 @@ def check_outputs(impl: TorchImpl, inputs: Inputs) -> dict[str, float]:
     return errs
 
 
-def flagged(errs: dict[str, float] | None) -> bool:
-    return bool(errs) and not all(v <= ERR_FLAG for v in errs.values())  # NaN flags too
+def err_flag(backend: str) -> float:
+    return ERR_FLAG_FP8 if backend in FP8_ROWS else ERR_FLAG
+
+
+def flagged(errs: dict[str, float] | None, backend: str) -> bool:
+    return bool(errs) and not all(v <= err_flag(backend) for v in errs.values())  # NaN flags too
 
 
 def sync_check(impl: TorchImpl):
@@ -686,7 +711,7 @@ def run_child(args) -> dict:
         phase = "check"
         errs = check_outputs(impl, inputs)
         res["errors_vs_fp64"] = errs
-        res["flagged"] = flagged(errs)
+        res["flagged"] = flagged(errs, name)
         res["info"] = impl.info()
         res["status"] = "ok"
     except Unavailable as exc:
@@ -756,14 +781,17 @@ def analyse(args, shapes: list[Shape], results: list[dict]) -> list[dict]:
         first_ok = next((r for r in rows.values() if r["status"] == "ok"), None)
         if first_ok:
             rec.update(routes=first_ok["routes"], load_max_over_mean=first_ok["load_max_over_mean"])
-        for p in PHASES:
-            cands = [(rows[b]["ms"][p], b) for b in BASELINES if b in rows and rows[b]["status"] == "ok"]
-            if cands:
-                ms, b = min(cands)
-                rec["best_baseline"][p] = {"backend": b, "ms": ms}
+        rec["best_fp8_baseline"] = {}
+        for key, names in (("best_baseline", BASELINES), ("best_fp8_baseline", FP8_BASELINES)):
+            for p in PHASES:
+                cands = [(rows[b]["ms"][p], b) for b in names if b in rows and rows[b]["status"] == "ok"]
+                if cands:
+                    ms, b = min(cands)
+                    rec[key][p] = {"backend": b, "ms": ms}
         for b, r in rows.items():
-            if r["status"] == "ok" and rec["best_baseline"]:
-                rec["vs_best"][b] = {p: rec["best_baseline"][p]["ms"] / r["ms"][p] for p in rec["best_baseline"]}
+            best = rec["best_fp8_baseline"] if b in FP8_ROWS else rec["best_baseline"]
+            if r["status"] == "ok" and best:
+                rec["vs_best"][b] = {p: best[p]["ms"] / r["ms"][p] for p in best}
         records.append(rec)
     return records
 
@@ -774,7 +802,7 @@ def failures(args, records: list[dict], explicit: set[str]) -> list[str]:
         label = f"{rec['shape']['preset']} T={rec['shape']['tokens']}"
         for b, r in rec["backends"].items():
             if r["status"] == "ok" and r.get("flagged"):
-                out.append(f"{label} {b}: error vs fp64 above {ERR_FLAG:g}")
+                out.append(f"{label} {b}: error vs fp64 above {err_flag(b):g}")
             elif r["status"] in ("error", "skipped"):
                 out.append(f"{label} {b}: {r['status']}: {r['error']}")
             elif r["status"] == "unavailable" and b in explicit:
@@ -824,13 +852,17 @@ def print_notes(records: list[dict]):
         if rec["best_baseline"]:
             print("  best baseline: " + "  ".join(f"{p} {v['backend']} {v['ms']:.3f} ms"
                                                   for p, v in rec["best_baseline"].items()))
+        if rec.get("best_fp8_baseline"):
+            print("  best FP8 baseline: " + "  ".join(f"{p} {v['backend']} {v['ms']:.3f} ms"
+                                                      for p, v in rec["best_fp8_baseline"].items()))
         for b, r in rec["backends"].items():
             if r.get("merged_from"):
                 print(f"  {b:<19} * row from {r['merged_from']} (an earlier run)")
             errs = r.get("errors_vs_fp64")
             if errs:
                 txt = "  ".join(f"{n} {v:.2e}" for n, v in errs.items())
-                print(f"  {b:<19} rel. error vs fp64: {txt}" + (f"   <-- FLAG > {ERR_FLAG:g}" if r["flagged"] else ""))
+                print(f"  {b:<19} rel. error vs fp64: {txt}" + (f"   <-- FLAG > {err_flag(b):g}" if r["flagged"]
+                                                                    else ""))
             lib = (r.get("info") or {}).get("library")
             if lib:
                 print(f"  {b:<19} library: {lib}")
@@ -849,7 +881,8 @@ def print_header(args, results: list[dict]):
           f"inputs rotate over {args.rotate} copies of x/dy/routing; L2 flushed before each timed region: "
           f"{'yes' if args.flush_l2 and args.device == 'cuda' else 'no'}")
     print(f"FLOPs: fwd 6*R*H*I, bwd 12*R*H*I (megamoe --save recompute: 16), R = routes. vs best = fastest of "
-          f"{', '.join(BASELINES)} / this row, per phase (> 1: faster than every baseline).")
+          f"{', '.join(BASELINES)} / this row, per phase (> 1: faster than every baseline); FP8 rows against "
+          f"the fastest of {', '.join(FP8_BASELINES)}.")
     print("alloc GiB = torch.cuda.max_memory_allocated during one fwd+bwd minus the inputs' allocation; "
           "drv GiB = peak device memory in use per the driver (mem_get_info, sampled) during it minus before it "
           "(inputs, L2-flush buffer, context excluded).\n")
