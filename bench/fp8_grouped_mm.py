@@ -84,6 +84,8 @@ class Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         E, N, K = w.shape
+        if K % 16 or N % 16 or E >= 1024:
+            raise ValueError(f"torch._scaled_grouped_mm needs K and N multiples of 16 and < 1024 groups: {K}, {N}, {E}")
         aq, sa = rowwise(a)
         wq, sw = rowwise(w.reshape(E * N, K))
         ctx.save_for_backward(a, w, offs)
@@ -102,7 +104,13 @@ class Fp8GroupedMM(torch.autograd.Function):
         wtq, swt = rowwise(wt.reshape(E * K, N))
         da = sgmm(gq, wtq.view(E, K, N).transpose(-2, -1), sg, swt.view(E, K), offs, out_dtype=torch.bfloat16,
                   use_fast_accum=True)
-        # wgrad: dw[e] = g_e^T a_e, both scaled per (expert, column) over the expert's rows.
+        # wgrad: dw[e] = g_e^T a_e, both scaled per (expert, column) over the expert's rows. Its
+        # operands' inner size is the row count, which must be a multiple of 16: rows of zeros past
+        # offs[-1] (never read) make it one.
+        pad = -a.shape[0] % 16
+        if pad:
+            g = torch.nn.functional.pad(g, (0, 0, 0, pad))
+            a = torch.nn.functional.pad(a, (0, 0, 0, pad))
         group = _groups(offs, a.shape[0])
         gcq, sgc = grouped_columnwise(g, group, E)
         acq, sac = grouped_columnwise(a, group, E)

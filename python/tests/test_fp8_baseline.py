@@ -31,7 +31,7 @@ def test_fp8_grouped_mm_matches_bf16_forward_and_backward():
     torch.manual_seed(0)
     E, N, K = 3, 32, 48
     offs = torch.tensor([16, 48, 64], dtype=torch.int32)  # 16-row groups, 8 trailing rows past the last
-    a = torch.randn(72, K, requires_grad=True)
+    a = torch.randn(72, K, requires_grad=True)  # 72: not a multiple of 16 (the weight gradient pads)
     w = (torch.randn(E, N, K) / K ** 0.5).requires_grad_()
     g = torch.randn(72, N)
     out = f8.fp8_gmm(a, w.transpose(-2, -1), offs)
