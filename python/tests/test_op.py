@@ -423,3 +423,14 @@ def test_cuda_fp8_weights_first_used_under_inference_mode_then_trained():
     y = megamoe.moe(x.detach(), idx, w.detach(), w13, w2, precision="fp8")
     y.float().sum().backward()
     assert not torch.equal(y.detach(), y_eval) and w13.grad is not None
+
+
+def test_modules_pass_the_fp8_weight_cache_choice_through(monkeypatch):
+    import megamoe.modules as modules
+    seen = []
+    monkeypatch.setattr(modules, "moe", lambda *a, **kw: (seen.append(kw), a[0])[1])
+    layer = megamoe.MoE(64, 32, 4, 2, precision="fp8", fp8_weight_cache=False)
+    layer(torch.randn(3, 64))
+    assert seen[-1]["precision"] == "fp8" and seen[-1]["fp8_weight_cache"] is False
+    megamoe.MoE(64, 32, 4, 2)(torch.randn(3, 64))
+    assert seen[-1]["fp8_weight_cache"] is True  # the default: kept
