@@ -121,6 +121,32 @@ TEST_F(ApiValidation, CudaBackendWithoutGpuOrBuffersIsAClearError) {
   }
 }
 
+// Filling a layer's FP8 weight buffer: host tensors (here) are refused with a
+// clear error, never read as device memory; without a GPU the error says so.
+TEST_F(ApiValidation, FillingFp8WeightsNeedsCudaBf16Weights) {
+  MoeOptions o = cpu_options();
+  o.backend = Backend::kCUDA, o.precision = Precision::kFP8;
+  MoeBufferSizes sizes;
+  ASSERT_TRUE(moe_buffer_sizes(p_, o, true, &sizes).ok());
+  EXPECT_GT(sizes.fp8_weights_bytes, 0u);
+  std::vector<uint8_t> host(sizes.fp8_weights_bytes + 256);
+  MoeBuffers b;
+  b.fp8_weights = host.data(), b.fp8_weights_bytes = sizes.fp8_weights_bytes;
+  const Status st = moe_fill_fp8_weights(p_, o, d_.w13.view, d_.w2.view, b);
+  std::string why;
+  if (cuda::device_count(&why) == 0) {
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+    EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
+  } else {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("w13: the FP8 weights are quantised from a bf16 CUDA tensor"), std::string::npos)
+        << st.message();
+  }
+  o.precision = Precision::kBF16;
+  ASSERT_TRUE(moe_buffer_sizes(p_, o, true, &sizes).ok());
+  EXPECT_EQ(sizes.fp8_weights_bytes, 0u);  // bf16 has none
+}
+
 TEST_F(ApiValidation, Mxfp8OnCudaNamesBlackwell) {
   MoeOptions o = cpu_options(Precision::kMXFP8);
   o.backend = Backend::kCUDA;
