@@ -207,6 +207,15 @@ def row_line(r: dict) -> str:
             + " ".join(f"{v:.4f}" for v in r["losses"][:3]))
 
 
+def ratios(r: dict, base: dict) -> list[str]:
+    """Row r over row base: step time, then each memory figure both have."""
+    parts = [f"step {r['step_ms'] / base['step_ms']:.3f}"]
+    for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
+        if mem(r, key) and mem(base, key):
+            parts.append(f"{name} {mem(r, key) / mem(base, key):.3f}")
+    return parts
+
+
 def report(args, results: list[dict]) -> list[str]:
     fails = []
     dev = next((r.get("device_name") for r in results if r.get("device_name")), args.device)
@@ -254,11 +263,7 @@ def report(args, results: list[dict]) -> list[str]:
             for d in ("grouped_mm", "grouped_mm_compile"):
                 g = ok.get((L, c == "on", d))
                 if m and g:
-                    parts = [f"step {m['step_ms'] / g['step_ms']:.3f}"]
-                    for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
-                        if mem(m, key) and mem(g, key):
-                            parts.append(f"{name} {mem(m, key) / mem(g, key):.3f}")
-                    print(f"  layers {L:<3} ckpt {c:<3} vs {d:<19} " + "  ".join(parts))
+                    print(f"  layers {L:<3} ckpt {c:<3} vs {d:<19} " + "  ".join(ratios(m, g)))
             if ref:
                 for d in args.dispatch:
                     r = ok.get((L, c == "on", d))
@@ -275,10 +280,8 @@ def report(args, results: list[dict]) -> list[str]:
             for d in PRECISION_OF:
                 f8 = ok.get((L, c == "on", d))
                 if b16 and f8:
-                    parts = [f"step {f8['step_ms'] / b16['step_ms']:.3f} (speed-up {b16['step_ms'] / f8['step_ms']:.2f}x)"]
-                    for key, name in (("max_memory_allocated_bytes", "alloc"), ("driver_peak_bytes", "drv")):
-                        if mem(f8, key) and mem(b16, key):
-                            parts.append(f"{name} {mem(f8, key) / mem(b16, key):.3f}")
+                    parts = ratios(f8, b16)
+                    parts[0] += f" (speed-up {b16['step_ms'] / f8['step_ms']:.2f}x)"
                     print(f"  layers {L:<3} ckpt {c:<3} {d} vs mega_moe (bf16): " + "  ".join(parts))
     diffs = [r["first_loss_rel_diff_vs_grouped_mm"] for r in ok.values() if "first_loss_rel_diff_vs_grouped_mm" in r]
     if diffs:

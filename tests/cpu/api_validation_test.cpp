@@ -107,18 +107,23 @@ TEST_F(ApiValidation, MultiRankOnTheSingleRankEntryPoint) {
   expect_forward_error(StatusCode::kUnimplemented, "simulate_forward simulates P ranks");
 }
 
-TEST_F(ApiValidation, CudaBackendWithoutGpuOrBuffersIsAClearError) {
-  MoeOptions o = cpu_options();
-  o.backend = Backend::kCUDA;
-  const Status st = forward(o);
+// A call on backend cuda that must fail: without a GPU, "backend cuda: ..."
+// (Unavailable); with one, an InvalidArgument whose message holds `with_gpu`.
+void expect_cuda_refusal(const Status& st, const std::string& with_gpu) {
   std::string why;
   if (cuda::device_count(&why) == 0) {
     EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
     EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
   } else {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-    EXPECT_NE(st.message().find("backend cuda needs MoeBuffers"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(with_gpu), std::string::npos) << st.message();
   }
+}
+
+TEST_F(ApiValidation, CudaBackendWithoutGpuOrBuffersIsAClearError) {
+  MoeOptions o = cpu_options();
+  o.backend = Backend::kCUDA;
+  expect_cuda_refusal(forward(o), "backend cuda needs MoeBuffers");
 }
 
 // Filling a layer's FP8 weight buffer: host tensors (here) are refused with a
@@ -132,16 +137,8 @@ TEST_F(ApiValidation, FillingFp8WeightsNeedsCudaBf16Weights) {
   std::vector<uint8_t> host(sizes.fp8_weights_bytes + 256);
   MoeBuffers b;
   b.fp8_weights = host.data(), b.fp8_weights_bytes = sizes.fp8_weights_bytes;
-  const Status st = moe_fill_fp8_weights(p_, o, d_.w13.view, d_.w2.view, b);
-  std::string why;
-  if (cuda::device_count(&why) == 0) {
-    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
-    EXPECT_EQ(st.message().rfind("backend cuda:", 0), 0u) << st.message();
-  } else {
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-    EXPECT_NE(st.message().find("w13: the FP8 weights are quantised from a bf16 CUDA tensor"), std::string::npos)
-        << st.message();
-  }
+  expect_cuda_refusal(moe_fill_fp8_weights(p_, o, d_.w13.view, d_.w2.view, b),
+                      "w13: the FP8 weights are quantised from a bf16 CUDA tensor");
   o.precision = Precision::kBF16;
   ASSERT_TRUE(moe_buffer_sizes(p_, o, true, &sizes).ok());
   EXPECT_EQ(sizes.fp8_weights_bytes, 0u);  // bf16 has none

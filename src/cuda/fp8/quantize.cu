@@ -127,6 +127,26 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
 // conflicts, ran at ~2.5 TB/s), read back 8 bytes at a time.
 constexpr int kTransposePitch = kTile + 8;  // bytes per row of the transposed tile (8-byte aligned)
 
+// A thread's 8 rows r0 .. r0 + 7 at columns c8 .. c8 + 7 of a 128 x 128 tile (row stride `cols`).
+__device__ __forceinline__ void load_rows_8x8(const __nv_bfloat16* src, int64_t cols, int r0, int c8, uint4 (&raw)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
+}
+
+// Once every thread has stored its bytes into the transposed tile: its rows
+// (the tile's columns) to dst, row c at dst + c * pitch, 16 threads per row.
+__device__ __forceinline__ void store_transposed_tile(const uint8_t (&tile_t)[kTile][kTransposePitch], uint8_t* dst,
+                                                      int64_t pitch) {
+  __syncthreads();
+  const int t = threadIdx.x, c8 = (t % 16) * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = t / 16 + 16 * i;
+    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(c) * pitch + c8) =
+        *reinterpret_cast<const uint2*>(&tile_t[c][c8]);
+  }
+}
+
 __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
                                        uint8_t* q_t, float* scales) {
   __shared__ float warp_amax[8];
@@ -137,8 +157,7 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
   const __nv_bfloat16* src = w + b * rows * cols + tr * kTile * cols + tc * kTile;
   const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
   uint4 raw[8];  // the values stay bf16 in registers (32, not 64: occupancy) until quantised
-#pragma unroll
-  for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
+  load_rows_8x8(src, cols, r0, c8, raw);
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fold_amax(amax, amax_of_8(raw[i]));
@@ -172,15 +191,8 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
     for (int i = 0; i < 8; ++i) col[i / 4] |= ((packed[i][j / 4] >> (8 * (j % 4))) & 0xFFu) << (8 * (i % 4));
     *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) = make_uint2(col[0], col[1]);
   }
-  __syncthreads();
-  // q_t [batch, cols, rows]: row c of the transposed tile holds column c of the tile; 16 threads per row.
-  uint8_t* dst_t = q_t + b * cols * rows + tc * kTile * rows + tr * kTile;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = t / 16 + 16 * i;
-    *reinterpret_cast<uint2*>(dst_t + static_cast<int64_t>(c) * rows + c8) =
-        *reinterpret_cast<const uint2*>(&tile_t[c][c8]);
-  }
+  // q_t [batch, cols, rows]: row c of the transposed tile holds column c of the tile.
+  store_transposed_tile(tile_t, q_t + b * cols * rows + tc * kTile * rows + tr * kTile, rows);
 }
 
 // One 256-thread block per 128 x 128 tile of x, quantised as 128 columns of
@@ -201,8 +213,7 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const __nv_bfloat1
   const __nv_bfloat16* src = x + tr * kTile * cols + tc * kTile;
   const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
   uint4 raw[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
+  load_rows_8x8(src, cols, r0, c8, raw);
   // Column amaxes over this thread's 8 rows, on bf16 pairs (exact; NaN propagates).
   __nv_bfloat162 m[4];
 #pragma unroll
@@ -243,15 +254,8 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const __nv_bfloat1
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) = make_uint2(col[j][0], col[j][1]);
-  __syncthreads();
-  // q_t [cols, rows]: row c of the transposed tile holds column c of the tile; 16 threads per row.
-  uint8_t* dst = q_t + tc * kTile * rows + tr * kTile;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = t / 16 + 16 * i;
-    *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(c) * rows + c8) =
-        *reinterpret_cast<const uint2*>(&tile_t[c][c8]);
-  }
+  // q_t [cols, rows]: row c of the transposed tile holds column c of the tile.
+  store_transposed_tile(tile_t, q_t + tc * kTile * rows + tr * kTile, rows);
 }
 
 Status check_shape(const char* what, int64_t rows, int64_t cols) {

@@ -152,13 +152,8 @@ Status fill_layer_fp8_weights(const LayerDims& dims, int device, cudaStream_t st
   MEGAMOE_RETURN_IF_ERROR(check_hopper(device));
   LayerCall call;
   call.dims = dims, call.device = device, call.stream = stream;
-  Fp8WeightLayout wl;
-  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
-  auto q = [&](const Region& r) { return r.bytes > 0 ? static_cast<uint8_t*>(buffers.fp8_weights) + r.offset : nullptr; };
-  auto s = [&](const Region& r) { return reinterpret_cast<float*>(q(r)); };
   detail::Fp8Carved f{};
-  f.w13_q = q(wl.w13_q), f.w2_q = q(wl.w2_q), f.w13_t = q(wl.w13_t), f.w2_t = q(wl.w2_t);
-  f.w13_s = s(wl.w13_s), f.w2_s = s(wl.w2_s);
+  MEGAMOE_RETURN_IF_ERROR(detail::carve_fp8_weights(dims, buffers.fp8_weights, &f));
   return detail::fill_fp8_weights(call, f, w13, w2);
 }
 

@@ -50,17 +50,22 @@ Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f) {
   ScratchLayout sl;
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
   const Fp8Layout& l = sl.fp8;
-  Fp8WeightLayout wl;
-  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(call.dims, &wl));
   auto q = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.scratch, r) : nullptr; };
   auto s = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.scratch, r) : nullptr; };
-  // (no weight buffer: an fp8_bwd forward, which reads none)
-  auto wq = [&](const Region& r) { return r.bytes > 0 && b.fp8_weights ? at<uint8_t>(b.fp8_weights, r) : nullptr; };
-  auto ws = [&](const Region& r) { return r.bytes > 0 && b.fp8_weights ? at<float>(b.fp8_weights, r) : nullptr; };
-  *f = Fp8Carved{q(l.x_q),     q(l.a_q),    wq(wl.w13_q), wq(wl.w2_q),  wq(wl.w13_t), wq(wl.w2_t),
-                 q(l.dy_q),    q(l.dz_q),   q(l.dy_t),    q(l.wa_t),    q(l.dz_t),    q(l.x_t),
-                 s(l.x_s),     s(l.a_s),    ws(wl.w13_s), ws(wl.w2_s),  s(l.dy_s),    s(l.dz_s),
-                 s(l.dy_ts),   s(l.wa_ts),  s(l.dz_ts),   s(l.x_ts)};
+  *f = Fp8Carved{q(l.x_q),   q(l.a_q),   nullptr,    nullptr,    nullptr,    nullptr,    q(l.dy_q),  q(l.dz_q),
+                 q(l.dy_t),  q(l.wa_t),  q(l.dz_t),  q(l.x_t),   s(l.x_s),   s(l.a_s),   nullptr,    nullptr,
+                 s(l.dy_s),  s(l.dz_s),  s(l.dy_ts), s(l.wa_ts), s(l.dz_ts), s(l.x_ts)};
+  return carve_fp8_weights(call.dims, b.fp8_weights, f);
+}
+
+Status carve_fp8_weights(const LayerDims& dims, void* buffer, Fp8Carved* f) {
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
+  // (no buffer: an fp8_bwd forward, which reads none)
+  auto q = [&](const Region& r) { return r.bytes > 0 && buffer != nullptr ? at<uint8_t>(buffer, r) : nullptr; };
+  auto s = [&](const Region& r) { return r.bytes > 0 && buffer != nullptr ? at<float>(buffer, r) : nullptr; };
+  f->w13_q = q(wl.w13_q), f->w2_q = q(wl.w2_q), f->w13_t = q(wl.w13_t), f->w2_t = q(wl.w2_t);
+  f->w13_s = s(wl.w13_s), f->w2_s = s(wl.w2_s);
   return Status::Ok();
 }
 

@@ -36,6 +36,8 @@ struct Fp8Carved {
   float *x_s, *a_s, *w13_s, *w2_s, *dy_s, *dz_s, *dy_ts, *wa_ts, *dz_ts, *x_ts;
 };
 Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f);
+// The weight fields of *f alone, from an FP8 weight buffer (null: left null).
+Status carve_fp8_weights(const LayerDims& dims, void* buffer, Fp8Carved* f);
 
 int sm_count(int device);
 
