@@ -4,7 +4,8 @@
 // under random interleavings. Checked: every stage a consumer's wait lets it
 // read holds the iteration it expects (never an older or newer load), and the
 // CTA always finishes (no deadlock). The model without order barriers must
-// fail the first check: the test can fail.
+// fail the first check: the test can fail. The same for the FP8 kernels'
+// split rings (one ring per consumer).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -184,6 +185,142 @@ TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
     found += !cta.violation.empty();
   }
   EXPECT_GT(found, 0);
+}
+
+// Split rings (the FP8 kernels, pipeline.cuh): consumer c's ring is slots
+// [c S / 2, c S / 2 + S / 2) and its tiles every other one of the CTA's; the
+// producer keeps a cursor per ring and loads into whichever ring has a free
+// slot, the earlier tile's first (split_first, as the kernel); no order
+// barriers. A stage holds a (ring, iteration) tag.
+template <int S>
+struct SplitCta {
+  static constexpr int R = S / 2;
+  std::vector<TileWork> tiles;
+  bool separate = true;  // false: both rings on slots [0, R) (the test below must catch it)
+  Barrier full[S], empty[S];
+  int64_t content[S];
+  std::vector<std::pair<int, int64_t>> in_flight;  // (slot, tag)
+  std::string violation;
+  struct Cursor {
+    size_t t;  // index into tiles: ring c serves c, c + 2, ...
+    int kb = 0;
+    PipelineState<R> ps;
+  } pc[2] = {{0, 0, {}}, {1, 0, {}}}, cc[2] = {{0, 0, {}}, {1, 0, {}}};
+
+  SplitCta() {
+    for (int s = 0; s < S; ++s) content[s] = -1;
+  }
+  int slot(int ring, const PipelineState<R>& ps) const { return (separate ? ring * R : 0) + ps.stage(); }
+  static int64_t tag(int ring, uint32_t it) { return ring * 1000000 + it; }
+  bool has(const Cursor& c) const { return c.t < tiles.size(); }
+  void skip_empty(Cursor& c) {
+    while (has(c) && tiles[c.t].k_blocks == 0) c.t += 2;
+  }
+  bool done() const { return !has(pc[0]) && !has(pc[1]) && in_flight.empty() && !has(cc[0]) && !has(cc[1]); }
+
+  bool producer_step() {
+    skip_empty(pc[0]);
+    skip_empty(pc[1]);
+    const int first = megamoe::cuda::engine::split_first(has(pc[0]), static_cast<int>(pc[0].t), has(pc[1]),
+                                                         static_cast<int>(pc[1].t));
+    if (first < 0) return false;
+    for (int ring : {first, first ^ 1}) {  // wait_either: the first ring's slot, else the other's
+      Cursor& c = pc[ring];
+      if (!has(c) || !empty[slot(ring, c.ps)].try_wait(c.ps.empty_parity())) continue;
+      in_flight.emplace_back(slot(ring, c.ps), tag(ring, c.ps.it));
+      ++c.ps;
+      if (++c.kb == tiles[c.t].k_blocks) c.kb = 0, c.t += 2;
+      return true;
+    }
+    return false;
+  }
+
+  bool tma_step(std::mt19937& rng) {
+    if (in_flight.empty()) return false;
+    const size_t i = rng() % in_flight.size();
+    const auto [s, t] = in_flight[i];
+    in_flight.erase(in_flight.begin() + static_cast<long>(i));
+    content[s] = t;
+    full[s].arrive();
+    return true;
+  }
+
+  // Consumer cw: a k-block per step (waits for its stage, checks it, gives it back); a tile without k-blocks
+  // is its epilogue alone.
+  bool consumer_step(int cw) {
+    Cursor& c = cc[cw];
+    if (!has(c)) return false;
+    if (tiles[c.t].k_blocks == 0) return c.t += 2, true;
+    const int s = slot(cw, c.ps);
+    if (!full[s].try_wait(c.ps.parity())) return false;
+    if (content[s] != tag(cw, c.ps.it) && violation.empty())
+      violation = "ring " + std::to_string(cw) + " iteration " + std::to_string(c.ps.it) + " read slot " +
+                  std::to_string(s) + " holding tag " + std::to_string(content[s]);
+    empty[s].arrive();
+    ++c.ps;
+    if (++c.kb == tiles[c.t].k_blocks) c.kb = 0, c.t += 2;
+    return true;
+  }
+
+  bool run(std::mt19937& rng) {
+    for (int guard = 0; guard < 1000000; ++guard) {
+      if (done()) return true;
+      bool moved = false;
+      for (int attempt = 0; attempt < 8 && !moved; ++attempt) {
+        switch (rng() % 4) {
+          case 0: moved = producer_step(); break;
+          case 1: moved = tma_step(rng); break;
+          case 2: moved = consumer_step(0); break;
+          default: moved = consumer_step(1); break;
+        }
+      }
+      if (!moved) moved = producer_step() || tma_step(rng) || consumer_step(0) || consumer_step(1);
+      if (!moved) return done();
+    }
+    return false;
+  }
+};
+
+template <int S>
+void check_split_protocol() {
+  for (uint32_t seed = 0; seed < 3000; ++seed) {
+    std::mt19937 rng(seed);
+    SplitCta<S> cta;
+    cta.tiles = random_tiles<S>(rng);
+    ASSERT_TRUE(cta.run(rng)) << "deadlock, seed " << seed;
+    ASSERT_EQ(cta.violation, "") << "seed " << seed;
+  }
+}
+
+// The FP8 kernels' depths: 4 (kGateUp, kDown, kGateUpGrad), 5 (kDownGrad: one
+// slot unused) and 6 (kWeightGrad) stages.
+TEST(PipelineProtocol, SplitRingsEveryReadSeesItsOwnLoad) {
+  check_split_protocol<4>();
+  check_split_protocol<5>();
+  check_split_protocol<6>();
+}
+
+// Both rings on the same slots: a consumer reads the other ring's load.
+TEST(PipelineProtocol, SplitRingsOnSharedSlotsAStaleReadIsFound) {
+  int found = 0;
+  for (uint32_t seed = 0; seed < 3000 && found == 0; ++seed) {
+    std::mt19937 rng(seed);
+    SplitCta<4> cta;
+    cta.separate = false;
+    cta.tiles = random_tiles<4>(rng);
+    cta.run(rng);
+    found += !cta.violation.empty();
+  }
+  EXPECT_GT(found, 0);
+}
+
+TEST(PipelineProtocol, SplitFirstServesTheEarlierTile) {
+  using megamoe::cuda::engine::split_first;
+  EXPECT_EQ(split_first(false, 0, false, 0), -1);
+  EXPECT_EQ(split_first(true, 3, true, 5), 0);
+  EXPECT_EQ(split_first(true, 7, true, 5), 1);
+  EXPECT_EQ(split_first(false, 0, true, 5), 1);
+  EXPECT_EQ(split_first(true, 9, false, 5), 0);
 }
 
 TEST(PipelineProtocol, StateArithmetic) {

@@ -970,26 +970,16 @@ TEST_P(GroupedGemm, RowsThatNeverArriveTimeOutNamingTheTile) {
 // A producer that stops issuing loads (debug_stall_at) leaves a consumer
 // waiting on a full barrier that never completes. The wait gives up after
 // errors.timeout_ns, reports kernel, block, barrier and phase (the stage
-// iteration), and the kernel exits: no trap, the stream synchronises, and the
-// same problem then runs to the right result on the same context.
-TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
-  Mat a, w2, slots;
-  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
-
+// iteration), and the kernel exits: no trap, the stream synchronises. `g`
+// runs with the stall, then (by the caller) again without it on the same context.
+void expect_stall_reported(cuda::GroupedGemmArgs g, const cuda::DeviceErrorSink& errors, int sms, int64_t stall,
+                           const std::vector<std::string>& want) {
   // 50 ms; 5 s under compute-sanitizer, where the first loads alone can take
   // longer than 50 ms.
   const bool slow = under_cuda_tool();
   g.errors = errors;
   g.errors.timeout_ns = slow ? 5'000'000'000ull : 50'000'000ull;
-  // CTA 0 walks the most tiles; stall at a stage iteration it reaches (past
-  // the first ring wrap when it has that many), so at least one CTA stalls
-  // and every CTA that stalls does so at the same iteration.
-  const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 64;
-  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
-  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
-  ASSERT_GE(stall, 0);
   g.debug_stall_at = stall;
-
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr).ok());
   const Status st = cuda::sync_and_take_device_error(0, nullptr);
@@ -997,21 +987,58 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // no trap, no sticky error
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   const std::string& msg = st.message();
-  for (const std::string& want : std::vector<std::string>{"grouped GEMM kDown,", "block ", "full barrier",
-                                                          "phase " + std::to_string(stall) + " ", "gave up"})
-    EXPECT_NE(msg.find(want), std::string::npos) << "missing \"" << want << "\" in: " << msg;
+  for (const std::string& w : want) EXPECT_NE(msg.find(w), std::string::npos) << "missing \"" << w << "\" in: " << msg;
   // The other waiters left through the CTA's abort flag, not after their own
   // (2 x) bound, and nothing waited for the default 10 s.
   EXPECT_LT(seconds, slow ? 120.0 : 5.0);
   std::printf("  stalled at stage iteration %lld: %s (%.0f ms)\n", (long long)stall, msg.c_str(), seconds * 1e3);
+}
+
+TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  // CTA 0 walks the most tiles; stall at a stage iteration it reaches (past
+  // the first ring wrap when it has that many), so at least one CTA stalls
+  // and every CTA that stalls does so at the same iteration.
+  const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 64;
+  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
+  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kDown,", "block ", "full barrier", "phase " + std::to_string(stall) + " ",
+                         "gave up"});
 
   // The context is still usable: the same problem, no stall, is right and reports nothing.
-  g.debug_stall_at = -1;
   g.errors = errors;
   run(g);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
+  expect_slots_match(slots, ref, /*weighted=*/true);
+}
+
+// The same on split rings (the FP8 kernels: a ring per consumer, the
+// producer serving both): the stall is at ring 0's iteration, so which
+// consumer's wait reports first (and its phase) is not fixed.
+TEST_P(GroupedGemm, StalledFp8PipelineTimesOutAndReports) {
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  const Fp8Operand qa = quantize_fp8(a, 0), qw = quantize_fp8(w2, H);
+  g.fp8 = true;
+  g.a = qa.q.view().data, g.a_scales = static_cast<const float*>(qa.s.view().data);
+  g.b = qw.q.view().data, g.b_scales = static_cast<const float*>(qw.s.view().data);
+  // Ring 0 of CTA 0 serves its even tiles: stall where it still has loads.
+  const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 128;
+  const int64_t ring0_iterations = ((tiles + sms - 1) / sms + 1) / 2 * k_blocks;
+  const int64_t stall = std::min<int64_t>(3, ring0_iterations - 1);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall, {"grouped GEMM kDown,", "block ", "full barrier", "gave up"});
+
+  g.errors = errors;
+  run(g);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto ref = pool_gemm_values(qa.value, I, H, row_src, tile_expert, pool_rows,
+                                    [&](int e, int64_t kk, int64_t n) { return qw.value[(e * H + n) * I + kk]; });
   expect_slots_match(slots, ref, /*weighted=*/true);
 }
 

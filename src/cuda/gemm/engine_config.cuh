@@ -21,13 +21,23 @@ inline constexpr int kThreads = 384;
 // it. So P x 128 + C x 256 must fit kLaunchRegs x 384 (not the SM's 65536).
 // A consumer holds a 128 x 128 fp32 tile (128 per thread).
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-inline constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+// The split rings' producer (pipeline.cuh) keeps a cursor per ring and
+// spills at 40 registers (ptxas); its kernels split 56 / 224.
+template <bool kSplitRings>
+struct RegisterSplit {
+  static constexpr int kProducer = kSplitRings ? 56 : 40, kConsumer = kSplitRings ? 224 : 232;
+};
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
-static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= kLaunchRegs * kThreads,
-              "register split exceeds the launch's pool");
-static_assert(kAccPerThread + 64 <= kConsumerRegs, "accumulators leave too few registers for the epilogue");
-static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+template <bool kSplit>
+constexpr bool register_split_fits() {
+  using R = RegisterSplit<kSplit>;
+  return R::kProducer * 128 + R::kConsumer * 2 * 128 <= kLaunchRegs * kThreads && R::kProducer % 8 == 0 &&
+         R::kConsumer % 8 == 0 && kAccPerThread + 64 <= R::kConsumer;
+}
+static_assert(register_split_fits<false>() && register_split_fits<true>(),
+              "a register split exceeds the launch's pool, is not in setmaxnreg's multiples of 8, or leaves the "
+              "epilogue too few registers beside the accumulators");
 
 using Elem = uint16_t;  // bf16 operands, as raw 2-byte elements in shared memory
 inline constexpr int kBox = 64;                               // TMA box edge (elements)

@@ -98,7 +98,8 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
   constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  static_assert(kAccPerThread + 2 * 32 + 32 <= kConsumerRegs, "FP8's promotion temporaries do not fit the consumer");
+  static_assert(kAccPerThread + 2 * 32 + 32 <= RegisterSplit<true>::kConsumer,
+                "FP8's promotion temporaries do not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
@@ -108,22 +109,23 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
-  // sb0 / sb1 + kb * sb_step: the scale of k-block kb.
-  const float *sb0, *sb1;
-  int sb_step = 1;
-  if constexpr (kWgrad) {
-    sb0 = sb1 = nullptr;  // per column: sb_wgrad
-  } else if constexpr (kBT) {
+  // sb + kb * sb_step: the scale of k-block kb for the first 64 columns,
+  // and sb_up further on for the other 64 (kGateUp's up columns; an offset,
+  // not a second pointer: the split kernels' consumers have 224 registers).
+  const float* sb = nullptr;  // kWeightGrad: per column, from the ring
+  int sb_step = 1, sb_up = 0;
+  if constexpr (kBT) {
     const int nb = static_cast<int>(p.args.n / 128);
-    sb0 = sb1 = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
+    sb = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
     sb_step = nb;
   } else if constexpr (M == GemmMode::kGateUp) {
     const int I = static_cast<int>(p.args.intermediate);
-    sb0 = p.args.b_scales + static_cast<int64_t>((tile.expert * 2 * I + tile.n * 64) / 128) * kbs;
-    sb1 = p.args.b_scales + static_cast<int64_t>((tile.expert * 2 * I + I + tile.n * 64) / 128) * kbs;
-  } else {
-    sb0 = sb1 = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) /
-                                                      128) * kbs;
+    const int gate_block = (tile.expert * 2 * I + tile.n * 64) / 128;
+    sb = p.args.b_scales + static_cast<int64_t>(gate_block) * kbs;
+    sb_up = ((tile.expert * 2 * I + I + tile.n * 64) / 128 - gate_block) * kbs;
+  } else if constexpr (!kWgrad) {
+    sb = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128) *
+                               kbs;
   }
   float tmp[2][32];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
@@ -131,7 +133,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     float b_s[2] = {1.0f, 1.0f};
     float a_s[2][2];
     if constexpr (!kWgrad) {
-      b_s[0] = __ldg(sb0 + kb * sb_step), b_s[1] = __ldg(sb1 + kb * sb_step);
+      b_s[0] = __ldg(sb + kb * sb_step), b_s[1] = __ldg(sb + sb_up + kb * sb_step);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -189,7 +191,8 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // holds each tile until its rows are in (GroupedGemmArgs::rows_ready); its own
 // instantiation, because the check in the producer's tile loop cost the
 // M-grouped modes 3-8% even when never taken (Nsight Compute, session 18).
-// kBT, kFp8: as load_stage.
+// kBT, kFp8: as load_stage. FP8 kernels run on split rings (pipeline.cuh:
+// one ring per consumer, main loops at the same time).
 template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -198,6 +201,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Tr = ModeTraits<M>;
   constexpr int S = Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
+  constexpr bool kSplitRings = kFp8;
+  constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
+  static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
@@ -247,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles = scheduler.num_tiles();
   if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<RegisterSplit<kSplitRings>::kProducer>();
     // Producer: one thread issues all TMA loads, tile after tile, in the order
     // the consumers take them. It returns early when a wait gives up or at
     // the fault-injection point (debug_stall_at).
@@ -255,6 +261,66 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
+      // One k-block of `tile` into ring slot `slot`, with FP8 kWeightGrad's scales.
+      auto load = [&](const Tile& tile, int kb, int slot) {
+        uint64_t* full = &ring.full[slot];
+        mbar_arrive_expect_tx(full, kStageBytes + (kScaleRingBytes<M, kFp8> > 0 ? kScaleStageBytes : 0));
+        uint8_t* stage = smem + slot * kStageBytes;
+        load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+        if constexpr (kScaleRingBytes<M, kFp8> > 0) {  // this k-block's 128 row and 128 column scales
+          const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
+          float* dst = scale_ring + slot * (kScaleStageBytes / 4);
+          bulk_load(dst, p.args.a_scales + rb * p.args.m + tile.m * kBlockM, 512, full);
+          bulk_load(dst + 128, p.args.b_scales + rb * p.args.n + tile.n * kBlockN, 512, full);
+        }
+      };
+      if constexpr (kSplitRings) {
+        // A cursor per consumer ring: its tile t (the consumer's tiles are
+        // every other one of the CTA's), next k-block and ring position.
+        // debug_stall_at counts ring 0's iterations.
+        struct Cursor {
+          int t, kb;
+          Tile tile;
+          PipelineState<R> ps;
+        };
+        const int stride = 2 * static_cast<int>(gridDim.x);
+        auto seek = [&](Cursor& c) {  // from c.t on, to the first tile with loads
+          for (; c.t < tiles; c.t += stride) {
+            c.tile = scheduler.tile(c.t);
+            if (c.tile.k_blocks > 0) return;
+          }
+        };
+        Cursor c0{static_cast<int>(blockIdx.x), 0, {}, {}}, c1{static_cast<int>(blockIdx.x + gridDim.x), 0, {}, {}};
+        seek(c0);
+        seek(c1);
+        auto serve = [&](Cursor& c, int ring_base) {
+          load(c.tile, c.kb, ring_base + c.ps.stage());
+          ++c.ps;
+          if (++c.kb == c.tile.k_blocks) {
+            c.kb = 0;
+            c.t += stride;
+            seek(c);
+          }
+        };
+        for (;;) {
+          const int first = split_first(c0.t < tiles, c0.t, c1.t < tiles, c1.t);
+          if (first < 0) break;
+          if (static_cast<int64_t>(c0.ps.it) == stall_at) return;
+          // Selected by value: a reference chosen at run time would put the cursors in local memory.
+          const PipelineState<R> fs = first == 0 ? c0.ps : c1.ps, os = first == 0 ? c1.ps : c0.ps;
+          const bool other = (first == 0 ? c1.t : c0.t) < tiles;
+          const int got = waits.wait_either(&ring.empty[first * R + fs.stage()], fs.empty_parity(),
+                                            other ? &ring.empty[(first ^ 1) * R + os.stage()] : nullptr,
+                                            os.empty_parity(), kBarrierEmpty, fs.it);
+          if (got < 0) return;
+          if ((first ^ got) == 0) {
+            serve(c0, 0);
+          } else {
+            serve(c1, R);
+          }
+        }
+        return;
+      }
       State ps;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = scheduler.tile(t);
@@ -263,16 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
           if (static_cast<int64_t>(ps.it) == stall_at) return;
           if (!ring.wait_empty(waits, ps)) return;
-          uint64_t* full = &ring.full[ps.stage()];
-          mbar_arrive_expect_tx(full, kStageBytes + (kScaleRingBytes<M, kFp8> > 0 ? kScaleStageBytes : 0));
-          uint8_t* stage = smem + ps.stage() * kStageBytes;
-          load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
-          if constexpr (kScaleRingBytes<M, kFp8> > 0) {  // this k-block's 128 row and 128 column scales
-            const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
-            float* dst = scale_ring + ps.stage() * (kScaleStageBytes / 4);
-            bulk_load(dst, p.args.a_scales + rb * p.args.m + tile.m * kBlockM, 512, full);
-            bulk_load(dst + 128, p.args.b_scales + rb * p.args.n + tile.n * kBlockN, 512, full);
-          }
+          load(tile, kb, ps.stage());
         }
       }
       // Stay until both CTAs' consumers have released every stage: the
@@ -285,17 +342,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Consumers: warpgroup wg takes the CTA's tiles j with j % 2 == wg - 1 and
-  // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). Both walk
-  // every tile to keep the shared pipeline state in step with the producer;
-  // main loops run in tile order, one consumer at a time (OrderBarriers).
-  setmaxnreg_inc<kConsumerRegs>();
+  // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). On one
+  // shared ring both walk every tile to keep the pipeline state in step with
+  // the producer, and main loops run in tile order, one consumer at a time
+  // (OrderBarriers); on split rings each walks its own tiles and ring.
+  setmaxnreg_inc<RegisterSplit<kSplitRings>::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  // A warp (every lane with kLaneRelease) gives stage s back to this CTA's producer and, in a pair, to the peer's.
+  const StageRing<R> my_ring{ring.full + (kSplitRings ? cw * R : 0), ring.empty + (kSplitRings ? cw * R : 0)};
+  const uint8_t* my_stages = smem + (kSplitRings ? cw * R * kStageBytes : 0);
+  const float* my_scales = scale_ring + (kSplitRings ? cw * R * (kScaleStageBytes / 4) : 0);
+  // A warp (every lane with kLaneRelease) gives stage s of its ring back to
+  // this CTA's producer and, in a pair, to the peer's.
   auto release = [&](int s) {
     if (!kLaneRelease && !warp_leader) return;
-    mbar_arrive(&ring.empty[s]);
-    if constexpr (kPair) mbar_arrive_cluster(&ring.empty[s], rank ^ 1u);
+    mbar_arrive(&my_ring.empty[s]);
+    if constexpr (kPair) mbar_arrive_cluster(&my_ring.empty[s], rank ^ 1u);
   };
   uint8_t* my_buffer = epilogue_base + cw * Tr::kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
@@ -311,18 +373,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int first = blockIdx.x + cw * gridDim.x;
     if (first < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(first), 0);
   }
-  State ps;
+  PipelineState<R> ps;
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++j) {
+  const int first_tile = blockIdx.x + (kSplitRings ? cw * gridDim.x : 0);
+  const int stride = (kSplitRings ? 2 : 1) * static_cast<int>(gridDim.x);
+  for (int t = first_tile; t < tiles; t += stride, ++j) {
     const Tile tile = scheduler.tile(t);
-    if ((j & 1) != cw) {
-      ps.advance(tile.k_blocks);
-      continue;
-    }
-    if (!order.wait_turn(waits, cw, mine, ps.it)) {
-      bulk_wait_group<0>();  // the previous epilogue's stores still read shared memory
-      return;
+    if constexpr (!kSplitRings) {
+      if ((j & 1) != cw) {
+        ps.advance(tile.k_blocks);
+        continue;
+      }
+      if (!order.wait_turn(waits, cw, mine, ps.it)) {
+        bulk_wait_group<0>();  // the previous epilogue's stores still read shared memory
+        return;
+      }
     }
     ++mine;
 #pragma unroll
@@ -330,18 +396,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      if (!fp8_main_loop<M, kBT>(p, tile, smem, scale_ring, ring, waits, ps, acc, release)) {
+      if (!fp8_main_loop<M, kBT>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
       }
     } else {
       for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-        if (!ring.wait_full(waits, ps)) {
+        if (!my_ring.wait_full(waits, ps)) {
           wgmma_wait<0>();  // retire the previous k-block's group before leaving
           bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
           return;
         }
-        const uint8_t* sa = smem + ps.stage() * kStageBytes;
+        const uint8_t* sa = my_stages + ps.stage() * kStageBytes;
         const uint8_t* sb = sa + kTileBytesA;
         // Between here and the wait<0> after the loop, nothing but wgmma touches
         // the accumulators (the fences are compiler-only: no instruction).
@@ -379,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_accumulators(acc[1]);
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
-    if ((threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
+    if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!Epilogue<M>{}(p, tile, acc, ctx)) {
       bulk_wait_group<0>();
       return;
