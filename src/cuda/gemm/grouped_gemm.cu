@@ -127,7 +127,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     sb = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128) *
                                kbs;
   }
-  float tmp[2][32];
+  float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
@@ -150,34 +150,23 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     const uint8_t* sa = smem + ps.stage() * kStageBytes;
     const uint8_t* sb = sa + kTileBytesA;
 #pragma unroll
-    for (int q = 0; q <= 4; ++q) {
-      if (q < 4) {  // issue quarter q (A box h, B box c: 64 rows each)
-        float(&t)[32] = tmp[q & 1];
-        fence_accumulators(t);
-        wgmma_fence();
+    for (int h = 0; h < 2; ++h) {  // rows [64h, 64h + 64): A box h, all 128 columns of B
+      fence_accumulators(tmp);
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
-          const uint64_t da = smem_desc_sw128(sa + (q >> 1) * kBoxBytes + kk * 32, 0, 1024);
-          const uint64_t db = smem_desc_sw128(sb + (q & 1) * kBoxBytes + kk * 32, 0, 1024);
-          wgmma_m64n64k32_e4m3(t, da, db, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
+      for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
+        const uint64_t da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
+        const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+        wgmma_m64n128k32_e4m3(tmp, da, db, kk > 0 ? 1 : 0);
       }
-      if (q > 0) {  // promote quarter q - 1 once its group is retired (q's may stay in flight)
-        const int pq = q - 1, h = pq >> 1, c = pq & 1;
-        if (q < 4) {
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-        float(&t)[32] = tmp[pq & 1];
-        fence_accumulators(t);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(tmp);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          // kWeightGrad: column 64 c + acc_col(i) of the tile, from the ring's B half.
-          const float b = kWgrad ? stage_scales[128 + 64 * c + acc_col(i)] : b_s[c];
-          acc[h][32 * c + i] += t[i] * (a_s[h][(i >> 1) & 1] * b);
-        }
+      for (int i = 0; i < 64; ++i) {
+        // Column acc_col(i): the first 64 columns in registers 0..31 (B scale block 0), the rest in 32..63.
+        const float b = kWgrad ? stage_scales[128 + acc_col(i)] : b_s[i >> 5];
+        acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
     release(ps.stage());  // kWeightGrad: every lane (its own scale reads), see kLaneRelease
