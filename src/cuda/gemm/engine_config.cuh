@@ -21,13 +21,23 @@ inline constexpr int kThreads = 384;
 // it. So P x 128 + C x 256 must fit kLaunchRegs x 384 (not the SM's 65536).
 // A consumer holds a 128 x 128 fp32 tile (128 per thread).
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-inline constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+// The split rings' producer (pipeline.cuh) keeps a cursor per ring and
+// spills at 40 registers (ptxas); its kernels split 56 / 224.
+template <bool kSplitRings>
+struct RegisterSplit {
+  static constexpr int kProducer = kSplitRings ? 56 : 40, kConsumer = kSplitRings ? 224 : 232;
+};
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
-static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= kLaunchRegs * kThreads,
-              "register split exceeds the launch's pool");
-static_assert(kAccPerThread + 64 <= kConsumerRegs, "accumulators leave too few registers for the epilogue");
-static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0, "setmaxnreg takes multiples of 8");
+template <bool kSplit>
+constexpr bool register_split_fits() {
+  using R = RegisterSplit<kSplit>;
+  return R::kProducer * 128 + R::kConsumer * 2 * 128 <= kLaunchRegs * kThreads && R::kProducer % 8 == 0 &&
+         R::kConsumer % 8 == 0 && kAccPerThread + 64 <= R::kConsumer;
+}
+static_assert(register_split_fits<false>() && register_split_fits<true>(),
+              "a register split exceeds the launch's pool, is not in setmaxnreg's multiples of 8, or leaves the "
+              "epilogue too few registers beside the accumulators");
 
 using Elem = uint16_t;  // bf16 operands, as raw 2-byte elements in shared memory
 inline constexpr int kBox = 64;                               // TMA box edge (elements)
@@ -43,11 +53,6 @@ static_assert(kBlockK * sizeof(Elem) == 128, "a K-major box row must be one 128-
 static_assert(kBlockM == 2 * kBox && kBlockN == 2 * kBox && kBlockK == kBox, "tiles are 2 x 2 (A, B) boxes");
 static_assert(kBlockM == 2 * 64, "a consumer's tile is two m64 wgmma accumulators");
 static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
-
-// The split rings' producer keeps its two cursors' tiles and k-blocks in
-// shared memory (Tile, tile_scheduler.cuh, and an int: 7 words each); in
-// registers they make it spill at 40.
-inline constexpr int kCursorBytes = 64;
 
 template <GemmMode M>
 struct ModeTraits {
@@ -70,10 +75,9 @@ struct ModeTraits {
   static constexpr bool kPairs = M == GemmMode::kWeightGrad;
   // Shared memory: [align pad][stages][epilogue buffer x 2][mbarriers: full, empty (kStages each), order [2],
   // z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
-  // [split rings' producer: its two cursors' tiles and k-blocks, 64 bytes]
   static constexpr int kBarriers = 2 * kStages + 4;
   static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + 2 * kEpilogueBytes + kBarriers * 8 + 2 * kBlockM * 4 + 16 + kCursorBytes;
+      1024 + kStages * kStageBytes + 2 * kEpilogueBytes + kBarriers * 8 + 2 * kBlockM * 4 + 16;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the 227 KB an H100/H200 CTA may use");
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };

@@ -98,58 +98,46 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
   constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  static_assert(kAccPerThread + 64 + 32 <= kConsumerRegs, "FP8's promotion temporary does not fit the consumer");
+  static_assert(kAccPerThread + 2 * 32 + 32 <= RegisterSplit<true>::kConsumer,
+                "FP8's promotion temporaries do not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
-  // Its A scales (M-grouped): a_scales[sa + (64 h + 8 q) * kbs + kb]. kWeightGrad
+  // Its A scales (M-grouped): sa_row[(64 h + 8 q) * kbs + kb]. kWeightGrad
   // scales A^T per row and B^T per column of each k-block: both from the
   // stage's scale ring (the producer's bulk loads), [A 128 | B 128].
-  // Offsets, not pointers (the split kernels' consumers have 224 registers).
-  const int sa = r0 * kbs;
+  const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
-  // b_scales[sb + kb * sb_step]: the scale of k-block kb for the first 64
-  // columns, sb_up further on for the other 64 (kGateUp's up columns, I / 128
-  // blocks on: FP8 kGateUp needs I % 128 == 0, launch_grouped_gemm checks).
-  // kWeightGrad: per column, from the ring.
-  int sb = 0, sb_step = 1;
-  const int sb_up = M == GemmMode::kGateUp ? static_cast<int>(p.args.intermediate / 128) * kbs : 0;
+  // sb + kb * sb_step: the scale of k-block kb for the first 64 columns,
+  // and sb_up further on for the other 64 (kGateUp's up columns; an offset,
+  // not a second pointer: the split kernels' consumers have 224 registers).
+  const float* sb = nullptr;  // kWeightGrad: per column, from the ring
+  int sb_step = 1, sb_up = 0;
   if constexpr (kBT) {
     const int nb = static_cast<int>(p.args.n / 128);
-    sb = tile.expert * kbs * nb + tile.n;
+    sb = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
     sb_step = nb;
   } else if constexpr (M == GemmMode::kGateUp) {
     const int I = static_cast<int>(p.args.intermediate);
-    sb = (tile.expert * 2 * I + tile.n * 64) / 128 * kbs;
+    const int gate_block = (tile.expert * 2 * I + tile.n * 64) / 128;
+    sb = p.args.b_scales + static_cast<int64_t>(gate_block) * kbs;
+    sb_up = ((tile.expert * 2 * I + I + tile.n * 64) / 128 - gate_block) * kbs;
   } else if constexpr (!kWgrad) {
-    sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
+    sb = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128) *
+                               kbs;
   }
-  // The M-grouped modes' A scales, a k-block ahead: they are 128 rows apart
-  // in global memory and the tile's lines do not stay in the L1 that shared
-  // memory leaves (Nsight Compute: long-scoreboard stalls led), so each load
-  // gets a whole k-block of time to come from L2. B's (one line per tile)
-  // hit in L1 and load in their own k-block, before its stage is waited for.
-  float a_next[2][2];
-  auto load_a_scales = [&](int kb) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) a_next[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
-  };
-  if constexpr (!kWgrad)
-    if (tile.k_blocks > 0) load_a_scales(0);
   float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+    // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
     float a_s[2][2];
     if constexpr (!kWgrad) {
-      b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+      b_s[0] = __ldg(sb + kb * sb_step), b_s[1] = __ldg(sb + sb_up + kb * sb_step);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a_s[h][q] = a_next[h][q];
-      if (kb + 1 < tile.k_blocks) load_a_scales(kb + 1);
+        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
     }
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad
@@ -159,16 +147,16 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 #pragma unroll
         for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
     }
-    const uint8_t* stage_a = smem + ps.stage() * kStageBytes;
-    const uint8_t* stage_b = stage_a + kTileBytesA;
+    const uint8_t* sa = smem + ps.stage() * kStageBytes;
+    const uint8_t* sb = sa + kTileBytesA;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows [64h, 64h + 64): A box h, all 128 columns of B
       fence_accumulators(tmp);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
-        const uint64_t da = smem_desc_sw128(stage_a + h * kBoxBytes + kk * 32, 0, 1024);
-        const uint64_t db = smem_desc_sw128(stage_b + kk * 32, 0, 1024);
+        const uint64_t da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
+        const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
         wgmma_m64n128k32_e4m3(tmp, da, db, kk > 0 ? 1 : 0);
       }
       wgmma_commit();
@@ -254,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles = scheduler.num_tiles();
   if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<RegisterSplit<kSplitRings>::kProducer>();
     // Producer: one thread issues all TMA loads, tile after tile, in the order
     // the consumers take them. It returns early when a wait gives up or at
     // the fault-injection point (debug_stall_at).
@@ -277,40 +265,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       if constexpr (kSplitRings) {
         // A cursor per consumer ring: its tile t (the consumer's tiles are
-        // every other one of the CTA's) and ring position in registers; the
-        // tile itself and its next k-block in shared memory (at[ring],
-        // kCursorBytes: in registers they make the producer spill at 40).
+        // every other one of the CTA's), next k-block and ring position.
         // debug_stall_at counts ring 0's iterations.
         struct Cursor {
-          int t;
+          int t, kb;
+          Tile tile;
           PipelineState<R> ps;
         };
-        struct CursorTile {
-          Tile tile;
-          int kb;
-        };
-        static_assert(2 * sizeof(CursorTile) <= kCursorBytes, "the cursors' tiles outgrow their shared memory");
-        CursorTile* at = reinterpret_cast<CursorTile*>(cta_state + 4);
         const int stride = 2 * static_cast<int>(gridDim.x);
-        auto seek = [&](Cursor& c, int ring) {  // from c.t on, to the first tile with loads
+        auto seek = [&](Cursor& c) {  // from c.t on, to the first tile with loads
           for (; c.t < tiles; c.t += stride) {
-            const Tile tile = scheduler.tile(c.t);
-            if (tile.k_blocks > 0) {
-              at[ring] = {tile, 0};
-              return;
-            }
+            c.tile = scheduler.tile(c.t);
+            if (c.tile.k_blocks > 0) return;
           }
         };
-        Cursor c0{static_cast<int>(blockIdx.x), {}}, c1{static_cast<int>(blockIdx.x + gridDim.x), {}};
-        seek(c0, 0);
-        seek(c1, 1);
-        auto serve = [&](Cursor& c, int ring) {
-          CursorTile& ct = at[ring];
-          load(ct.tile, ct.kb, ring * R + c.ps.stage());
+        Cursor c0{static_cast<int>(blockIdx.x), 0, {}, {}}, c1{static_cast<int>(blockIdx.x + gridDim.x), 0, {}, {}};
+        seek(c0);
+        seek(c1);
+        auto serve = [&](Cursor& c, int ring_base) {
+          load(c.tile, c.kb, ring_base + c.ps.stage());
           ++c.ps;
-          if (++ct.kb == ct.tile.k_blocks) {
+          if (++c.kb == c.tile.k_blocks) {
+            c.kb = 0;
             c.t += stride;
-            seek(c, ring);
+            seek(c);
           }
         };
         for (;;) {
@@ -327,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if ((first ^ got) == 0) {
             serve(c0, 0);
           } else {
-            serve(c1, 1);
+            serve(c1, R);
           }
         }
         return;
@@ -357,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // shared ring both walk every tile to keep the pipeline state in step with
   // the producer, and main loops run in tile order, one consumer at a time
   // (OrderBarriers); on split rings each walks its own tiles and ring.
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<RegisterSplit<kSplitRings>::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const StageRing<R> my_ring{ring.full + (kSplitRings ? cw * R : 0), ring.empty + (kSplitRings ? cw * R : 0)};
@@ -562,8 +540,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                               "quantizer's transposed copy) with b_scales [E, k / 128, n / 128]");
     if (args.rows_ready != nullptr) return unimplemented("grouped GEMM: FP8 with rows_ready is not instantiated");
     if (args.k % kBlockKFp8 != 0) return internal_error("grouped GEMM: FP8 needs K a multiple of 128");
-    if (args.mode == GemmMode::kGateUp && args.intermediate % 128 != 0)
-      return internal_error("grouped GEMM: FP8 kGateUp needs I a multiple of 128 (gate and up in whole scale blocks)");
     if (args.a_scales == nullptr || args.b_scales == nullptr)
       return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
     if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
