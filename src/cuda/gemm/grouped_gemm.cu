@@ -77,14 +77,16 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 }
 
 // The FP8 main loop of one tile (kGateUp, kDown; kDownGrad and kGateUpGrad
-// with B transposed, kBT; kWeightGrad with both transposed). Each 128-long k-block is
-// summed in four quarters (q: rows [64h, 64h + 64) with h = q / 2, columns
-// [64c, 64c + 64) with c = q % 2), each by wgmma into a 32-register
-// temporary (scale_d = 0 starts it afresh), then added to its part of acc
-// times a_scale(row) * b_scale(column block): the recipe's promotion every
-// 128 K. Two temporaries alternate, so quarter q + 1's wgmmas run on the
-// tensor cores while quarter q is promoted (acc 128 + 2 x 32 registers fit
-// the consumer's 232). kGateUp's column halves are its gate and up columns
+// with B transposed, kBT; kWeightGrad with both transposed). Each 128-long
+// k-block is summed in two halves (h: rows [64h, 64h + 64), all 128
+// columns), each by four m64n128k32 wgmmas into a 64-register temporary
+// (scale_d = 0 starts it afresh), then added to acc[h] times a_scale(row) *
+// b_scale(column block): the recipe's promotion every 128 K. The wait before
+// each promotion leaves this warpgroup's tensor-core slots idle; on split
+// rings the other consumer's main loop fills them (n64 quarters with two
+// alternating temporaries, pipelined inside one warpgroup, measured no
+// faster on split rings and 5-11% slower in kWeightGrad: perf-log, session
+// 22). kGateUp's column halves are its gate and up columns
 // (two scale blocks of B), the other modes' 128 columns one block. B's scales:
 // [b_rows / 128, k / 128] for B as given (kGateUp, kDown); with kBT, the
 // untransposed weights' blocks, [E, k / 128, n / 128] (the block quantizer's
@@ -98,34 +100,33 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
   constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  static_assert(kAccPerThread + 2 * 32 + 32 <= RegisterSplit<true>::kConsumer,
-                "FP8's promotion temporaries do not fit the consumer");
+  static_assert(kAccPerThread + 64 + 32 <= RegisterSplit<true>::kConsumer,
+                "FP8's promotion temporary does not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
   const int r0 = tile.m * kBlockM + acc_row(0, 0);
-  // Its A scales (M-grouped): sa_row[(64 h + 8 q) * kbs + kb]. kWeightGrad
+  // Its A scales (M-grouped): a_scales[sa + (64 h + 8 q) * kbs + kb]. kWeightGrad
   // scales A^T per row and B^T per column of each k-block: both from the
   // stage's scale ring (the producer's bulk loads), [A 128 | B 128].
-  const float* sa_row = p.args.a_scales + static_cast<int64_t>(r0) * kbs;
+  // Offsets, not pointers (the split kernels' consumers have 224 registers).
+  const int sa = r0 * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
-  // sb + kb * sb_step: the scale of k-block kb for the first 64 columns,
-  // and sb_up further on for the other 64 (kGateUp's up columns; an offset,
-  // not a second pointer: the split kernels' consumers have 224 registers).
-  const float* sb = nullptr;  // kWeightGrad: per column, from the ring
-  int sb_step = 1, sb_up = 0;
+  // b_scales[sb + kb * sb_step]: the scale of k-block kb for the first 64
+  // columns, sb_up further on for the other 64 (kGateUp's up columns, I / 128
+  // blocks on: FP8 kGateUp needs I % 128 == 0, launch_grouped_gemm checks).
+  // kWeightGrad: per column, from the ring.
+  int sb = 0, sb_step = 1;
+  const int sb_up = M == GemmMode::kGateUp ? static_cast<int>(p.args.intermediate / 128) * kbs : 0;
   if constexpr (kBT) {
     const int nb = static_cast<int>(p.args.n / 128);
-    sb = p.args.b_scales + static_cast<int64_t>(tile.expert) * kbs * nb + tile.n;
+    sb = tile.expert * kbs * nb + tile.n;
     sb_step = nb;
   } else if constexpr (M == GemmMode::kGateUp) {
     const int I = static_cast<int>(p.args.intermediate);
-    const int gate_block = (tile.expert * 2 * I + tile.n * 64) / 128;
-    sb = p.args.b_scales + static_cast<int64_t>(gate_block) * kbs;
-    sb_up = ((tile.expert * 2 * I + I + tile.n * 64) / 128 - gate_block) * kbs;
+    sb = (tile.expert * 2 * I + tile.n * 64) / 128 * kbs;
   } else if constexpr (!kWgrad) {
-    sb = p.args.b_scales + static_cast<int64_t>((tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128) *
-                               kbs;
+    sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
   }
   float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
@@ -133,11 +134,11 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     float b_s[2] = {1.0f, 1.0f};
     float a_s[2][2];
     if constexpr (!kWgrad) {
-      b_s[0] = __ldg(sb + kb * sb_step), b_s[1] = __ldg(sb + sb_up + kb * sb_step);
+      b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(sa_row + static_cast<int64_t>(64 * h + 8 * q) * kbs + kb);
+        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad
@@ -147,16 +148,16 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 #pragma unroll
         for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
     }
-    const uint8_t* sa = smem + ps.stage() * kStageBytes;
-    const uint8_t* sb = sa + kTileBytesA;
+    const uint8_t* stage_a = smem + ps.stage() * kStageBytes;
+    const uint8_t* stage_b = stage_a + kTileBytesA;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows [64h, 64h + 64): A box h, all 128 columns of B
       fence_accumulators(tmp);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // 4 x k32 = one 128-byte row
-        const uint64_t da = smem_desc_sw128(sa + h * kBoxBytes + kk * 32, 0, 1024);
-        const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+        const uint64_t da = smem_desc_sw128(stage_a + h * kBoxBytes + kk * 32, 0, 1024);
+        const uint64_t db = smem_desc_sw128(stage_b + kk * 32, 0, 1024);
         wgmma_m64n128k32_e4m3(tmp, da, db, kk > 0 ? 1 : 0);
       }
       wgmma_commit();
@@ -540,6 +541,8 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                               "quantizer's transposed copy) with b_scales [E, k / 128, n / 128]");
     if (args.rows_ready != nullptr) return unimplemented("grouped GEMM: FP8 with rows_ready is not instantiated");
     if (args.k % kBlockKFp8 != 0) return internal_error("grouped GEMM: FP8 needs K a multiple of 128");
+    if (args.mode == GemmMode::kGateUp && args.intermediate % 128 != 0)
+      return internal_error("grouped GEMM: FP8 kGateUp needs I a multiple of 128 (gate and up in whole scale blocks)");
     if (args.a_scales == nullptr || args.b_scales == nullptr)
       return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
     if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
