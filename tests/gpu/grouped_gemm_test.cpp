@@ -626,6 +626,10 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   g.a_scales = g.b_scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
   const Status k192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(k192.to_string().find("multiple of 128"), std::string::npos) << k192.to_string();
+  // kGateUp's up columns start I / 128 scale blocks after the gate columns: I must be whole blocks.
+  g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a_cols = g.b_cols = H, g.b_rows = E * 384;
+  const Status i192 = cuda::launch_grouped_gemm(g, sms, nullptr);
+  EXPECT_NE(i192.to_string().find("I a multiple of 128"), std::string::npos) << i192.to_string();
 }
 
 TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
