@@ -129,25 +129,28 @@ struct Cta {
     return true;
   }
 
-  // Runs to the end under a random interleaving; false on deadlock.
-  bool run(std::mt19937& rng) {
-    for (int guard = 0; guard < 1000000; ++guard) {
-      if (done()) return true;
-      bool moved = false;
-      for (int attempt = 0; attempt < 8 && !moved; ++attempt) {
-        switch (rng() % 4) {
-          case 0: moved = producer_step(); break;
-          case 1: moved = tma_step(rng); break;
-          case 2: moved = consumer_step(0); break;
-          default: moved = consumer_step(1); break;
-        }
-      }
-      if (!moved) moved = producer_step() || tma_step(rng) || consumer_step(0) || consumer_step(1);
-      if (!moved) return done();
-    }
-    return false;
-  }
 };
+
+// Runs a CTA model (Cta, SplitCta) to the end under a random interleaving of
+// its producer, TMA unit and two consumers; false on deadlock.
+template <typename Model>
+bool run_model(Model& cta, std::mt19937& rng) {
+  for (int guard = 0; guard < 1000000; ++guard) {
+    if (cta.done()) return true;
+    bool moved = false;
+    for (int attempt = 0; attempt < 8 && !moved; ++attempt) {
+      switch (rng() % 4) {
+        case 0: moved = cta.producer_step(); break;
+        case 1: moved = cta.tma_step(rng); break;
+        case 2: moved = cta.consumer_step(0); break;
+        default: moved = cta.consumer_step(1); break;
+      }
+    }
+    if (!moved) moved = cta.producer_step() || cta.tma_step(rng) || cta.consumer_step(0) || cta.consumer_step(1);
+    if (!moved) return cta.done();
+  }
+  return false;
+}
 
 template <int S>
 std::vector<TileWork> random_tiles(std::mt19937& rng) {
@@ -156,21 +159,22 @@ std::vector<TileWork> random_tiles(std::mt19937& rng) {
   return tiles;
 }
 
-template <int S>
-void check_protocol() {
+// Random tile lists on 3000 seeds: every run ends, and every read sees the load it expects.
+template <typename Model, int S>
+void check_model() {
   for (uint32_t seed = 0; seed < 3000; ++seed) {
     std::mt19937 rng(seed);
-    Cta<S> cta;
+    Model cta;
     cta.tiles = random_tiles<S>(rng);
-    ASSERT_TRUE(cta.run(rng)) << "deadlock, seed " << seed;
+    ASSERT_TRUE(run_model(cta, rng)) << "deadlock, seed " << seed;
     ASSERT_EQ(cta.violation, "") << "seed " << seed;
   }
 }
 
 // The ring depths the modes use (ModeTraits::kStages).
-TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_protocol<4>(); }
-TEST(PipelineProtocol, FiveStagesEveryReadSeesItsOwnLoad) { check_protocol<5>(); }
-TEST(PipelineProtocol, SixStagesEveryReadSeesItsOwnLoad) { check_protocol<6>(); }
+TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_model<Cta<4>, 4>(); }
+TEST(PipelineProtocol, FiveStagesEveryReadSeesItsOwnLoad) { check_model<Cta<5>, 5>(); }
+TEST(PipelineProtocol, SixStagesEveryReadSeesItsOwnLoad) { check_model<Cta<6>, 6>(); }
 
 // Without the order barriers a consumer can poll a stage two phases ahead and
 // read an older load: the model must catch it on some interleaving.
@@ -181,7 +185,7 @@ TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
     Cta<4> cta;
     cta.use_order = false;
     cta.tiles = random_tiles<4>(rng);
-    cta.run(rng);
+    run_model(cta, rng);
     found += !cta.violation.empty();
   }
   EXPECT_GT(found, 0);
@@ -262,42 +266,14 @@ struct SplitCta {
     return true;
   }
 
-  bool run(std::mt19937& rng) {
-    for (int guard = 0; guard < 1000000; ++guard) {
-      if (done()) return true;
-      bool moved = false;
-      for (int attempt = 0; attempt < 8 && !moved; ++attempt) {
-        switch (rng() % 4) {
-          case 0: moved = producer_step(); break;
-          case 1: moved = tma_step(rng); break;
-          case 2: moved = consumer_step(0); break;
-          default: moved = consumer_step(1); break;
-        }
-      }
-      if (!moved) moved = producer_step() || tma_step(rng) || consumer_step(0) || consumer_step(1);
-      if (!moved) return done();
-    }
-    return false;
-  }
 };
-
-template <int S>
-void check_split_protocol() {
-  for (uint32_t seed = 0; seed < 3000; ++seed) {
-    std::mt19937 rng(seed);
-    SplitCta<S> cta;
-    cta.tiles = random_tiles<S>(rng);
-    ASSERT_TRUE(cta.run(rng)) << "deadlock, seed " << seed;
-    ASSERT_EQ(cta.violation, "") << "seed " << seed;
-  }
-}
 
 // The FP8 kernels' depths: 4 (kGateUp, kDown, kGateUpGrad), 5 (kDownGrad: one
 // slot unused) and 6 (kWeightGrad) stages.
 TEST(PipelineProtocol, SplitRingsEveryReadSeesItsOwnLoad) {
-  check_split_protocol<4>();
-  check_split_protocol<5>();
-  check_split_protocol<6>();
+  check_model<SplitCta<4>, 4>();
+  check_model<SplitCta<5>, 5>();
+  check_model<SplitCta<6>, 6>();
 }
 
 // Both rings on the same slots: a consumer reads the other ring's load.
@@ -308,7 +284,7 @@ TEST(PipelineProtocol, SplitRingsOnSharedSlotsAStaleReadIsFound) {
     SplitCta<4> cta;
     cta.separate = false;
     cta.tiles = random_tiles<4>(rng);
-    cta.run(rng);
+    run_model(cta, rng);
     found += !cta.violation.empty();
   }
   EXPECT_GT(found, 0);
