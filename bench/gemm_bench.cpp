@@ -175,6 +175,14 @@ int main(int argc, char** argv) {
   auto* qdz = dev_alloc<uint8_t>(C * 2 * I);
   auto* sdz = dev_alloc<float>(C * 2 * I / 128);
   CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr));
+  // The same scales by k-block ([K / 128, C]: GroupedGemmArgs::a_scales_by_k_block); the e4m3 bytes are the same.
+  auto* sx_kb = dev_alloc<float>(C * H / 128);
+  auto* sa_kb = dev_alloc<float>(C * I / 128);
+  auto* sdz_kb = dev_alloc<float>(C * 2 * I / 128);
+  const auto kByKBlock = cuda::RowScales::kByKBlock;
+  CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx_kb, nullptr, kByKBlock));
+  CHECK_OK(cuda::quantize_e4m3_rows(a, C, I, kScale, qa, sa_kb, nullptr, kByKBlock));
+  CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz_kb, nullptr, kByKBlock));
   // Weight gradients: dW2 = dy^T (w a) (x stands in for dy), dW13 = dz^T x; bf16 outputs.
   auto* dw_out = dev_alloc<uint16_t>(static_cast<size_t>(E) * 2 * I * H);
   auto* xq_t = dev_alloc<uint8_t>(C * H);
@@ -248,6 +256,10 @@ int main(int argc, char** argv) {
     g.out0 = dw_out;
     return g;
   };
+  auto scales_by_k_block = [](cuda::GroupedGemmArgs g, const float* by_k_block) {
+    g.a_scales = by_k_block, g.a_scales_by_k_block = true;
+    return g;
+  };
   const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
   struct Row {
     const char* name;
@@ -261,12 +273,16 @@ int main(int argc, char** argv) {
   };
   time_gemm("kGateUp bf16", gate_up(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8", gate_up(true), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUp fp8 kbs", scales_by_k_block(gate_up(true), sx_kb), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
+  time_gemm("kDown fp8 kbs", scales_by_k_block(down(true), sa_kb), 2 * routes * Hd * Id);
   time_gemm("kDownGrad bf16", down_grad(false), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8", down_grad(true), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad fp8 kbs", scales_by_k_block(down_grad(true), sx_kb), 2 * routes * Hd * Id);
   time_gemm("kGateUpGrad bf16", gate_up_grad(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUpGrad fp8 kbs", scales_by_k_block(gate_up_grad(true), sdz_kb), 2 * routes * 2 * Id * Hd);
   time_gemm("dW2 bf16", wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), 2 * routes * Hd * Id);
   time_gemm("dW2 fp8", wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t), 2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
@@ -300,12 +316,12 @@ int main(int argc, char** argv) {
                             warmup, iters), 0});
   std::printf("megamoe-gemm-bench: %s, %lld tokens (pool %lld rows), medians of %d after %d warm-ups\n", shape->name,
               static_cast<long long>(T), static_cast<long long>(C), iters, warmup);
-  std::printf("%-18s %9s %9s\n", "kernel", "us", "TFLOP/s");
+  std::printf("%-20s %9s %9s\n", "kernel", "us", "TFLOP/s");
   for (const Row& r : rows) {
     if (r.flops > 0)
-      std::printf("%-18s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
+      std::printf("%-20s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
     else
-      std::printf("%-18s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
+      std::printf("%-20s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
   }
   return 0;
 }

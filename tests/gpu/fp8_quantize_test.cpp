@@ -117,6 +117,19 @@ void expect_row_tiles_match(int64_t rows, int64_t cols, ScaleKind kind, cuda::Fp
   EXPECT_TRUE(std::isnan(s[static_cast<size_t>(2 * tiles + 2)])) << "the NaN tile's scale";
   EXPECT_TRUE(std::isinf(s[static_cast<size_t>(3 * tiles)])) << "the inf tile's scale";
   EXPECT_EQ(s[0], 1.0f) << "the zero tile's scale";
+  // The same values with the scales by k-block ([tiles, rows]): the same bytes, the scales transposed.
+  Dev<uint8_t> dq_kb(x.size());
+  Dev<float> ds_kb(static_cast<size_t>(rows * tiles));
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dx.p, rows, cols, gpu_kind, dq_kb.p, ds_kb.p, nullptr,
+                                             cuda::RowScales::kByKBlock));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dq_kb.get(x.size()), q);
+  const auto s_kb = ds_kb.get(static_cast<size_t>(rows * tiles));
+  int64_t by_k_block_differ = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < tiles; ++t)
+      by_k_block_differ += float_bits(s_kb[static_cast<size_t>(t * rows + r)]) != float_bits(s[static_cast<size_t>(r * tiles + t)]);
+  EXPECT_EQ(by_k_block_differ, 0) << rows << " x " << cols << ", scales by k-block";
 }
 
 TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
@@ -176,6 +189,19 @@ void expect_gather_matches(int64_t T, int64_t cols, int k, int64_t capacity, int
       cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p, nullptr, nullptr));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(q.get(n), qr);
+  // Scales by k-block, [tiles, capacity]: the used rows' scales, transposed.
+  ASSERT_EQ(cudaMemset(q.p, 0, all), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p,
+                                                    nullptr, nullptr, cuda::RowScales::kByKBlock));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(q.get(n), qr);
+  const auto s_kb = s.get(static_cast<size_t>(capacity * tiles));
+  int64_t by_k_block_differ = 0;
+  for (int64_t r = 0; r < used; ++r)
+    for (int64_t t = 0; t < tiles; ++t)
+      by_k_block_differ +=
+          float_bits(s_kb[static_cast<size_t>(t * capacity + r)]) != float_bits(sr[static_cast<size_t>(r * tiles + t)]);
+  EXPECT_EQ(by_k_block_differ, 0) << "scales by k-block";
 }
 
 TEST_P(Fp8Quantize, GatheredRowTilesAreTheGatheredPoolQuantised) {

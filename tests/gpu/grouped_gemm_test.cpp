@@ -156,6 +156,44 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   }
   double route_weight(int src) const { return data.topk_weights.get(src); }
 
+  // M-grouped FP8: g with A's scales by row, then by k-block (transposed here
+  // from g's [a_rows, k / 128] into [k / 128, a_rows]), each on outputs
+  // filled with 0xFF first: every output byte must come out the same (the
+  // same products in the same order), and the runs must have written some.
+  void expect_scales_by_k_block_bitwise(cuda::GroupedGemmArgs g, const std::vector<std::pair<void*, size_t>>& outs) {
+    auto fill = [&] {
+      for (const auto& o : outs) ASSERT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
+    };
+    auto snapshot = [&] {
+      std::vector<std::vector<uint8_t>> v;
+      for (const auto& o : outs) {
+        v.emplace_back(o.second);
+        EXPECT_EQ(cudaMemcpy(v.back().data(), o.first, o.second, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      return v;
+    };
+    fill();
+    run(g);
+    const auto by_row = snapshot();
+    const int64_t kbs = g.k / 128, ar = g.a_rows;
+    std::vector<float> s(static_cast<size_t>(ar * kbs)), t(s.size());
+    ASSERT_EQ(cudaMemcpy(s.data(), g.a_scales, s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int64_t r = 0; r < ar; ++r)
+      for (int64_t kb = 0; kb < kbs; ++kb) t[static_cast<size_t>(kb * ar + r)] = s[static_cast<size_t>(r * kbs + kb)];
+    DeviceTensor by_k_block(DType::kF32, {kbs, ar});
+    ASSERT_EQ(cudaMemcpy(by_k_block.view().data, t.data(), t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    g.a_scales = static_cast<const float*>(by_k_block.view().data);
+    g.a_scales_by_k_block = true;
+    fill();
+    run(g);
+    const auto by_kb = snapshot();
+    for (size_t i = 0; i < outs.size(); ++i) {
+      EXPECT_TRUE(by_kb[i] == by_row[i]) << "output " << i << " differs with A's scales by k-block";
+      EXPECT_TRUE(std::any_of(by_kb[i].begin(), by_kb[i].end(), [](uint8_t b) { return b != 0xFF; }))
+          << "output " << i << " was not written";
+    }
+  }
+
   // A kDown launch: random a pool [C, I] and w2 [E*H, I], weighted rows into slots [k*T, H].
   cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots) {
     random_pool(a, I, 3);
@@ -398,6 +436,8 @@ TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
       aref[r * I + i] = gg / (1 + std::exp(-gg)) * u;
     }
   EXPECT_LT(rel_err(ag_used, aref), 1.5e-2);  // as the bf16 test's bound for a
+  expect_scales_by_k_block_bitwise(g, {{z.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
+                                       {a.dev.view().data, static_cast<size_t>(pool_rows * I * 2)}});
 }
 
 TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
@@ -413,6 +453,7 @@ TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
   const auto ref = pool_gemm_values(qa.value, I, H, row_src, tile_expert, pool_rows,
                                     [&](int e, int64_t kk, int64_t n) { return qw.value[(e * H + n) * I + kk]; });
   expect_slots_match(slots, ref, /*weighted=*/true);
+  expect_scales_by_k_block_bitwise(g, {{slots.dev.view().data, static_cast<size_t>(k * T * H * 2)}});
 }
 
 // Power-of-two scales make every dequantised value (an e4m3 value times 2^k)
@@ -577,6 +618,9 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   EXPECT_LT(e_dz, 4e-3);
   EXPECT_LT(e_wa, 4e-3);
   EXPECT_LT(e_p, 1e-3);
+  expect_scales_by_k_block_bitwise(g, {{dz8.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
+                                       {wa8.dev.view().data, static_cast<size_t>(pool_rows * I * 2)},
+                                       {dwp8.view().data, static_cast<size_t>(pool_rows * (I / 128) * 4)}});
 }
 
 TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
@@ -612,6 +656,7 @@ TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
   const double err = rel_err(got, ref);
   std::printf("  FP8 kGateUpGrad dx slots vs bf16 on the same values: %.2e\n", err);
   EXPECT_LT(err, 4e-3);
+  expect_scales_by_k_block_bitwise(g, {{slots8.dev.view().data, static_cast<size_t>(k * T * H * 2)}});
 }
 
 TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
@@ -626,6 +671,11 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   g.a_scales = g.b_scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
   const Status k192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(k192.to_string().find("multiple of 128"), std::string::npos) << k192.to_string();
+  // A's scales by k-block: M-grouped FP8 only.
+  cuda::GroupedGemmArgs w;
+  w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I, w.k = 128, w.a_scales_by_k_block = true;
+  const Status no_bf16 = cuda::launch_grouped_gemm(w, sms, nullptr);
+  EXPECT_NE(no_bf16.to_string().find("a_scales_by_k_block"), std::string::npos) << no_bf16.to_string();
   // kGateUp's up columns start I / 128 scale blocks after the gate columns: I must be whole blocks.
   g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a_cols = g.b_cols = H, g.b_rows = E * 384;
   const Status i192 = cuda::launch_grouped_gemm(g, sms, nullptr);

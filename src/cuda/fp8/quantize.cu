@@ -52,9 +52,22 @@ constexpr int kRowThreads = 256;
 // rows gathered from token rows as gather_rows does it (Gather: pool row r is
 // x row row_src[r] / k, zeros where row_src[r] < 0; the pool's used rows are
 // *pool_rows, read on the device; `copy`, if set, receives the bf16 pool too).
+// Both also say where tile t's scale goes (RowScales: [rows, cols / 128] at
+// t, or [cols / 128, rows] at (t % segs) rows + t / segs).
+struct ScaleIndex {
+  uint32_t segs;   // tiles per row: cols / 128
+  int64_t rows;    // the scales' row count (by k-block: their row stride)
+  bool by_k_block;
+  __device__ int64_t operator()(int64_t t) const {
+    if (!by_k_block) return t;
+    const uint32_t t32 = static_cast<uint32_t>(t), r = t32 / segs;  // tile indices fit 32 bits (checked at launch)
+    return static_cast<int64_t>(t32 - r * segs) * rows + r;
+  }
+};
 struct RowsSource {
   const __nv_bfloat16* x;
   int64_t tiles;
+  ScaleIndex scale_at;
   __device__ int64_t count() const { return tiles; }
   __device__ const __nv_bfloat16* tile(int64_t t) const { return x + t * kTile; }
   __device__ void copy(int64_t, int, uint4) const {}
@@ -66,6 +79,7 @@ struct GatherSource {
   int k;
   uint32_t segs;  // tiles per row: cols / 128; tile indices fit 31 bits (checked at launch)
   uint4* pool;    // optional bf16 copy [capacity, cols]
+  ScaleIndex scale_at;
   __device__ int64_t count() const { return static_cast<int64_t>(*pool_rows) * segs; }
   __device__ const __nv_bfloat16* tile(int64_t t) const {
     const uint32_t t32 = static_cast<uint32_t>(t), r = t32 / segs;  // (a 64-bit division is a long software sequence)
@@ -111,7 +125,7 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
       for (int i = 0; i < 8; ++i) (i < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * (i % 4));
       if (t < tiles) {
         reinterpret_cast<uint2*>(q + t * kTile)[hl] = packed;
-        if (hl == 0) scales[t] = s;
+        if (hl == 0) scales[src.scale_at(t)] = s;
         src.copy(t, hl, raw[u]);
       }
     }
@@ -282,7 +296,7 @@ unsigned row_blocks(int64_t tiles) {
 }  // namespace
 
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, RowScales layout) {
   // Rows need not be a multiple of 128 here (1 x 128 tiles): only cols.
   if (rows <= 0 || cols <= 0 || cols % kTile != 0)
     return invalid_argument("fp8 row quantizer: rows = " + std::to_string(rows) + " must be positive and cols = " +
@@ -291,15 +305,19 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
     return invalid_argument("fp8 row quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
     return invalid_argument("fp8 row quantizer: x must be 16-byte and q 8-byte aligned");
+  if (rows * (cols / kTile) >= (int64_t{1} << 32))
+    return invalid_argument("fp8 row quantizer: " + std::to_string(rows) + " rows of " + std::to_string(cols) +
+                            " columns exceed 2^32 tiles");
   const int64_t tiles = rows * (cols / kTile);
+  const ScaleIndex at{static_cast<uint32_t>(cols / kTile), rows, layout == RowScales::kByKBlock};
   quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
-      RowsSource{static_cast<const __nv_bfloat16*>(x), tiles}, scale, q, scales);
+      RowsSource{static_cast<const __nv_bfloat16*>(x), tiles, at}, scale, q, scales);
   return cuda_status("fp8 row quantizer", cudaGetLastError());
 }
 
 Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* row_src, int top_k,
                                  const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q,
-                                 float* scales, void* pool, cudaStream_t stream) {
+                                 float* scales, void* pool, cudaStream_t stream, RowScales layout) {
   if (capacity <= 0 || cols <= 0 || cols % kTile != 0 || top_k <= 0)
     return invalid_argument("fp8 gathering row quantizer: capacity = " + std::to_string(capacity) + " and top_k = " +
                             std::to_string(top_k) + " must be positive, cols = " + std::to_string(cols) +
@@ -315,7 +333,8 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
   // The grid is sized for the capacity (the used rows are known on the device only) and strides.
   quantize_rows_kernel<<<row_blocks(capacity * (cols / kTile)), kRowThreads, 0, stream>>>(
       GatherSource{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k,
-                   static_cast<uint32_t>(cols / kTile), static_cast<uint4*>(pool)},
+                   static_cast<uint32_t>(cols / kTile), static_cast<uint4*>(pool),
+                   ScaleIndex{static_cast<uint32_t>(cols / kTile), capacity, layout == RowScales::kByKBlock}},
       scale, q, scales);
   return cuda_status("fp8 gathering row quantizer", cudaGetLastError());
 }

@@ -7,7 +7,10 @@
 // Layouts (row-major, bytes):
 //   rows:   x bf16 [rows, cols] -> q u8 [rows, cols], scales f32 [rows, cols / 128]
 //           (1 x 128 tiles along the row: activations and output gradients,
-//           K along the row).
+//           K along the row); or, RowScales::kByKBlock, scales [cols / 128,
+//           rows]: a k-block's scales of consecutive rows are contiguous, so
+//           the grouped GEMM brings a tile's 128 through its stages
+//           (GroupedGemmArgs::a_scales_by_k_block).
 //   blocks: w bf16 [batch, rows, cols] -> q u8 [batch, rows, cols] and/or
 //           q_t u8 [batch, cols, rows] (the same bytes transposed: the other
 //           orientation a backward GEMM reads K-major), scales f32
@@ -30,19 +33,23 @@
 namespace megamoe::cuda {
 
 enum class Fp8Scale { kFloat32, kPowerOfTwo };
+// Where the row quantizers put a row's scales (the values are the same).
+enum class RowScales { kByRow, kByKBlock };
 
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
-                          cudaStream_t stream);
+                          cudaStream_t stream, RowScales layout = RowScales::kByRow);
 
 // The row quantizer fused with the pool gather (cuda/moe/layer_kernels.h
 // gather_rows): pool row r < *pool_rows is src row row_src[r] / top_k, zeros
 // where row_src[r] < 0; q [capacity, cols], scales [capacity, cols / 128] for
 // those rows, bitwise what quantize_e4m3_rows makes of the gathered pool;
-// rows from *pool_rows on are not written. pool (may be null): the bf16 rows
-// as gather_rows writes them, when a later step still needs them.
+// rows from *pool_rows on are not written (kByKBlock: scales [cols / 128,
+// capacity]). pool (may be null): the bf16 rows as gather_rows writes them,
+// when a later step still needs them.
 Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* row_src, int top_k,
                                  const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q,
-                                 float* scales, void* pool, cudaStream_t stream);
+                                 float* scales, void* pool, cudaStream_t stream,
+                                 RowScales layout = RowScales::kByRow);
 
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);

@@ -75,25 +75,39 @@ struct ModeTraits {
   // kGateUp 1.29 -> 1.34 ms, kDown 823 -> 819 us, kDownGrad 818 -> 852 us,
   // kGateUpGrad 1.35 -> 1.37 ms (perf-log, session 17).
   static constexpr bool kPairs = M == GemmMode::kWeightGrad;
-  // Shared memory: [align pad][stages][epilogue buffer x 2][mbarriers: full, empty (kStages each), order [2],
-  // z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
   static constexpr int kBarriers = 2 * kStages + 4;
-  static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + 2 * kEpilogueBytes + kBarriers * 8 + 2 * kBlockM * 4 + 16;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the 227 KB an H100/H200 CTA may use");
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
 
-// FP8 kWeightGrad scales its products per element (a row scale times a column
-// scale per 128-row k-block): the producer brings each k-block's 128 A and 128
-// B scales into a ring beside the stages, read from shared memory by the
-// promotion. Bytes per stage, and in all for a kernel with S stages.
-inline constexpr int kScaleStageBytes = 2 * 128 * 4;
+// The stages a kernel keeps in shared memory: the FP8 kernels' split rings
+// (pipeline.cuh) use two rings of kStages / 2 (kDownGrad leaves its fifth out).
 template <GemmMode M, bool kFp8>
-inline constexpr int kScaleRingBytes = M == GemmMode::kWeightGrad && kFp8 ? ModeTraits<M>::kStages * kScaleStageBytes : 0;
-static_assert(ModeTraits<GemmMode::kWeightGrad>::kSmemBytes + kScaleRingBytes<GemmMode::kWeightGrad, true> <=
-                  227 * 1024,
-              "FP8 kWeightGrad's scale ring exceeds shared memory");
+inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
+
+// The scale ring: the producer brings each k-block's scales into a slot
+// beside its stage, read from shared memory by the promotion. FP8
+// kWeightGrad: 128 A and 128 B scales (it scales per element: a row scale
+// times a column scale per 128-row k-block); M-grouped FP8 with
+// a_scales_by_k_block: A's 128 row scales (the first half of the slot).
+// Bytes per slot, and in all for a kernel with a ring (kRing).
+inline constexpr int kScaleStageBytes = 2 * 128 * 4;
+template <GemmMode M, bool kFp8, bool kRing>
+inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8> * kScaleStageBytes : 0;
+
+// Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
+// each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
+template <GemmMode M, bool kFp8, bool kRing>
+inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
+                                  2 * ModeTraits<M>::kEpilogueBytes + ModeTraits<M>::kBarriers * 8 +
+                                  2 * kBlockM * 4 + 16;
+template <GemmMode M>
+constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)
+  constexpr int kMax = 227 * 1024;  // what an H100 / H200 CTA may use
+  return kSmemBytes<M, false, false> <= kMax && kSmemBytes<M, true, false> <= kMax && kSmemBytes<M, true, true> <= kMax;
+}
+static_assert(smem_fits<GemmMode::kGateUp>() && smem_fits<GemmMode::kDown>() && smem_fits<GemmMode::kDownGrad>() &&
+                  smem_fits<GemmMode::kGateUpGrad>() && smem_fits<GemmMode::kWeightGrad>(),
+              "shared memory exceeds the 227 KB an H100/H200 CTA may use");
 
 // The KernelId a timed-out wait of mode M reports.
 template <GemmMode M>

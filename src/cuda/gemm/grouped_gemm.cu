@@ -91,8 +91,10 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // [b_rows / 128, k / 128] for B as given (kGateUp, kDown); with kBT, the
 // untransposed weights' blocks, [E, k / 128, n / 128] (the block quantizer's
 // layout, whose transposed copy is this B).
+// kARing (M-grouped, a_scales_by_k_block): A's row scales come from the
+// stage's scale-ring slot, as kWeightGrad's do, instead of global memory.
 // false: a wait gave up (reported); the stage's wgmmas are retired.
-template <GemmMode M, bool kBT, int S, typename Release>
+template <GemmMode M, bool kBT, bool kARing, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
                                               const float* scale_ring, const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
@@ -133,16 +135,16 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
     // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
     float a_s[2][2];
-    if constexpr (!kWgrad) {
-      b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+    if constexpr (!kWgrad) b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+    if constexpr (!kWgrad && !kARing) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
     if (!ring.wait_full(waits, ps)) return false;
-    const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad
-    if constexpr (kWgrad) {
+    const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad, kARing
+    if constexpr (kWgrad || kARing) {  // the tile's row r's scale at stage_scales[r]
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -182,8 +184,9 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // instantiation, because the check in the producer's tile loop cost the
 // M-grouped modes 3-8% even when never taken (Nsight Compute, session 18).
 // kBT, kFp8: as load_stage. FP8 kernels run on split rings (pipeline.cuh:
-// one ring per consumer, main loops at the same time).
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8>
+// one ring per consumer, main loops at the same time). kARing: M-grouped FP8
+// with A's scales through a scale ring (GroupedGemmArgs::a_scales_by_k_block).
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -192,15 +195,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int S = Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   constexpr bool kSplitRings = kFp8;
+  // A scale ring beside the stages: FP8 kWeightGrad's (A and B scales), kARing's (A's).
+  constexpr bool kRing = kFp8 && (M == GemmMode::kWeightGrad || kARing);
+  static_assert(!kARing || (kFp8 && M != GemmMode::kWeightGrad), "kARing: the M-grouped FP8 modes");
+  constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  // FP8 kWeightGrad: the scale ring [S][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
-  float* scale_ring = reinterpret_cast<float*>(smem + S * kStageBytes);
-  uint8_t* epilogue_base = smem + S * kStageBytes + kScaleRingBytes<M, kFp8>;  // [2][Tr::kEpilogueBytes], one per consumer
+  // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
+  constexpr int kStageArea = kStagesUsed<M, kFp8> * kStageBytes;
+  float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
+  uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][Tr::kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
@@ -216,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // own reads before the producer's next bulk copy into the slot. A warp
   // leader's arrival after __syncwarp is enough under the PTX memory model,
   // but compute-sanitizer racecheck does not see it (hazards, session 20).
-  constexpr bool kLaneRelease = M == GemmMode::kWeightGrad && kFp8;
-  static_assert(!(kLaneRelease && kPair), "FP8 kWeightGrad runs one CTA per tile");
+  constexpr bool kLaneRelease = kRing;
+  static_assert(!(kLaneRelease && kPair), "kernels with a scale ring run one CTA per tile");
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -251,17 +259,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      // One k-block of `tile` into ring slot `slot`, with FP8 kWeightGrad's scales.
+      // One k-block of `tile` into ring slot `slot`, with its scales when the kernel has a scale ring.
       auto load = [&](const Tile& tile, int kb, int slot) {
         uint64_t* full = &ring.full[slot];
-        mbar_arrive_expect_tx(full, kStageBytes + (kScaleRingBytes<M, kFp8> > 0 ? kScaleStageBytes : 0));
+        constexpr int kScaleBytes = !kRing ? 0 : M == GemmMode::kWeightGrad ? kScaleStageBytes : 512;
+        mbar_arrive_expect_tx(full, kStageBytes + kScaleBytes);
         uint8_t* stage = smem + slot * kStageBytes;
         load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
-        if constexpr (kScaleRingBytes<M, kFp8> > 0) {  // this k-block's 128 row and 128 column scales
+        float* dst = scale_ring + slot * (kScaleStageBytes / 4);
+        if constexpr (kRing && M == GemmMode::kWeightGrad) {  // this k-block's 128 row and 128 column scales
           const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
-          float* dst = scale_ring + slot * (kScaleStageBytes / 4);
           bulk_load(dst, p.args.a_scales + rb * p.args.m + tile.m * kBlockM, 512, full);
           bulk_load(dst + 128, p.args.b_scales + rb * p.args.n + tile.n * kBlockN, 512, full);
+        } else if constexpr (kRing) {  // the tile's 128 row scales of k-block kb: a_scales [k / 128, a_rows]
+          bulk_load(dst, p.args.a_scales + static_cast<int64_t>(kb) * p.args.a_rows + tile.m * kBlockM, 512, full);
         }
       };
       if constexpr (kSplitRings) {
@@ -386,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      if (!fp8_main_loop<M, kBT>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc, release)) {
+      if (!fp8_main_loop<M, kBT, kARing>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
       }
@@ -451,12 +462,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks || Tr::kStaged) bulk_wait_group<0>();
 }
 
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false>
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false, bool kARing = false>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
-  using Tr = ModeTraits<M>;
-  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8, kARing>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -472,7 +482,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  constexpr int kSmem = Tr::kSmemBytes + kScaleRingBytes<M, kFp8>;
+  constexpr int kSmem = kSmemBytes<M, kFp8, kFp8 && (M == GemmMode::kWeightGrad || kARing)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   cudaLaunchConfig_t cfg{};
@@ -556,7 +566,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if (args.mode == GemmMode::kWeightGrad &&
         (reinterpret_cast<uintptr_t>(args.a_scales) % 16 != 0 || reinterpret_cast<uintptr_t>(args.b_scales) % 16 != 0))
       return invalid_argument("grouped GEMM: FP8 kWeightGrad's scales must be 16-byte aligned (bulk copies)");
+    if (args.a_scales_by_k_block &&
+        (args.mode == GemmMode::kWeightGrad || args.a_rows % 4 != 0 || reinterpret_cast<uintptr_t>(args.a_scales) % 16 != 0))
+      return invalid_argument("grouped GEMM: a_scales_by_k_block is for the M-grouped FP8 modes, with a_rows a multiple "
+                              "of 4 and a_scales 16-byte aligned (each k-block's run is a bulk copy)");
   }
+  if (args.a_scales_by_k_block && !args.fp8)
+    return invalid_argument("grouped GEMM: a_scales_by_k_block is for FP8");
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
@@ -589,9 +605,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
+      if (args.fp8 && args.a_scales_by_k_block)
+        return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {  // b_k_major: checked above
+      if (args.fp8 && args.a_scales_by_k_block)
+        return launch_mode<m, false, false, true, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kWeightGrad) {  // A^T and B^T, K-major; one CTA per tile (no pairs)

@@ -79,6 +79,13 @@ struct GroupedGemmArgs {
   // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
   // every 128 K). K must be a multiple of 128. Epilogues are bf16's.
   bool fp8 = false;
+  // M-grouped FP8: a_scales as [k / 128, a_rows] instead (quantize.h's
+  // RowScales::kByKBlock; a_rows a multiple of 4): a tile's 128 row scales of
+  // one k-block are one 512-byte run, which the producer brings with the
+  // stage into a scale ring beside it (as kWeightGrad's), so the consumers'
+  // main loops load no scales of A from global memory. The same products in
+  // the same order: bitwise the by-row layout's result.
+  bool a_scales_by_k_block = false;
   const float* a_scales = nullptr;
   const float* b_scales = nullptr;
   // Epilogue operands (by mode).
