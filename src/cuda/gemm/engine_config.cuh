@@ -80,9 +80,10 @@ struct ModeTraits {
 };
 
 // The stages a kernel keeps in shared memory: the FP8 kernels' split rings
-// (pipeline.cuh) use two rings of kStages / 2 (kDownGrad leaves its fifth out).
-template <GemmMode M, bool kFp8>
-inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
+// (pipeline.cuh) use two rings of kStages / 2, so with a scale ring
+// kDownGrad leaves its unused fifth stage out (or it would not fit).
+template <GemmMode M, bool kFp8, bool kRing>
+inline constexpr int kStagesUsed = kFp8 && kRing ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
 
 // The scale ring: the producer brings each k-block's scales into a slot
 // beside its stage, read from shared memory by the promotion. FP8
@@ -92,12 +93,12 @@ inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeT
 // Bytes per slot, and in all for a kernel with a ring (kRing).
 inline constexpr int kScaleStageBytes = 2 * 128 * 4;
 template <GemmMode M, bool kFp8, bool kRing>
-inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8> * kScaleStageBytes : 0;
+inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 
 // Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
 // each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>
-inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
+inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * ModeTraits<M>::kEpilogueBytes + ModeTraits<M>::kBarriers * 8 +
                                   2 * kBlockM * 4 + 16;
 template <GemmMode M>

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
-  constexpr int kStageArea = kStagesUsed<M, kFp8> * kStageBytes;
+  constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStageBytes;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
   uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][Tr::kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
