@@ -1,5 +1,6 @@
 #include "core/layer_buffers.h"
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -112,15 +113,34 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
     *q = c.take(bwd8 ? product(cols, C) : 0, 1);
     *s = c.take(bwd8 ? product(C / 128, cols) : 0, 4);
   };
+  // Four sets, each dead before the next is written (one call runs on one
+  // stream): the forward's (or the backward's recomputed GEMM1's), the data
+  // gradients', dW2's, dW13's. They share one area, each set from its start.
   Fp8Layout& f = out->fp8;
-  rows_q(&f.x_q, &f.x_s, H, fwd8);
-  rows_q(&f.a_q, &f.a_s, d.intermediate, fwd8);
-  rows_q(&f.dy_q, &f.dy_s, H, bwd8);
-  rows_q(&f.dz_q, &f.dz_s, I2, bwd8);
-  cols_t(&f.dy_t, &f.dy_ts, H);
-  cols_t(&f.wa_t, &f.wa_ts, d.intermediate);
-  cols_t(&f.dz_t, &f.dz_ts, I2);
-  cols_t(&f.x_t, &f.x_ts, H);
+  const size_t fp8_base = c.end();
+  size_t fp8_end = fp8_base;
+  auto set = [&](auto&& carve_set) {
+    c.set_offset(fp8_base);
+    carve_set();
+    fp8_end = std::max(fp8_end, c.end());
+  };
+  set([&] {
+    rows_q(&f.x_q, &f.x_s, H, fwd8);
+    rows_q(&f.a_q, &f.a_s, d.intermediate, fwd8);
+  });
+  set([&] {
+    rows_q(&f.dy_q, &f.dy_s, H, bwd8);
+    rows_q(&f.dz_q, &f.dz_s, I2, bwd8);
+  });
+  set([&] {
+    cols_t(&f.dy_t, &f.dy_ts, H);
+    cols_t(&f.wa_t, &f.wa_ts, d.intermediate);
+  });
+  set([&] {
+    cols_t(&f.dz_t, &f.dz_ts, I2);
+    cols_t(&f.x_t, &f.x_ts, H);
+  });
+  c.set_offset(fp8_end);
   out->slots = c.take(product(product(d.top_k, d.tokens), d.hidden), 2);
   if (!c.ok()) return too_large(d);
   out->bytes = c.end();

@@ -110,13 +110,26 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   EXPECT_EQ(s8b.fp8.a_q.bytes, 0u);
   EXPECT_EQ(s8b.fp8.dy_q.bytes, f.dy_q.bytes);
   EXPECT_EQ(s8b.fp8.x_t.bytes, f.x_t.bytes);
-  std::vector<Region> all = {s8.chunk_counts, s8.xdy_pool, s8.a_pool, s8.dz_pool, s8.dw_partial};
-  for (const Region& r : regions(s8.fp8))
-    if (r.bytes > 0) all.push_back(r);
-  all.push_back(s8.slots);
-  expect_disjoint_and_aligned(all, s8.bytes);
+  // The four sets (GEMM1/2, data gradients, dW2, dW13): each set's regions
+  // are disjoint and clear of everything that is not FP8; the sets share one
+  // area from one offset, as large as the largest set.
+  const std::vector<std::vector<Region>> sets = {{f.x_q, f.x_s, f.a_q, f.a_s},
+                                                 {f.dy_q, f.dy_s, f.dz_q, f.dz_s},
+                                                 {f.dy_t, f.dy_ts, f.wa_t, f.wa_ts},
+                                                 {f.dz_t, f.dz_ts, f.x_t, f.x_ts}};
+  size_t largest = 0;
+  for (const auto& set : sets) {
+    std::vector<Region> all = {s8.chunk_counts, s8.xdy_pool, s8.a_pool, s8.dz_pool, s8.dw_partial, s8.slots};
+    all.insert(all.end(), set.begin(), set.end());
+    expect_disjoint_and_aligned(all, s8.bytes);
+    EXPECT_EQ(set.front().offset, f.x_q.offset) << "every set starts where the first does";
+    largest = std::max(largest, set.back().offset + set.back().bytes - set.front().offset);
+  }
   for (const Region& r : regions(s8.fp8)) EXPECT_LE(r.offset + r.bytes, s8.bytes_without_slots);
-  EXPECT_GT(s8.bytes, s8b.bytes);
+  // The area is the largest set (no more, up to alignment): x_t's set here, [2I + H] x C bytes and scales.
+  EXPECT_LE(s8.bytes - s16.bytes, largest + 4 * kBufferAlign);
+  EXPECT_EQ(largest, f.x_ts.offset + f.x_ts.bytes - f.dz_t.offset);
+  EXPECT_GE(s8.bytes, s8b.bytes);
   EXPECT_GT(s8b.bytes, s16.bytes);
 }
 
