@@ -189,19 +189,25 @@ void expect_gather_matches(int64_t T, int64_t cols, int k, int64_t capacity, int
       cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p, nullptr, nullptr));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(q.get(n), qr);
-  // Scales by k-block, [tiles, capacity]: the used rows' scales, transposed.
+  // Scales by k-block, [tiles, capacity]: the used rows' scales, transposed; the other rows' untouched.
   ASSERT_EQ(cudaMemset(q.p, 0, all), cudaSuccess);
+  ASSERT_EQ(cudaMemset(s.p, 0xFF, static_cast<size_t>(capacity * tiles) * 4), cudaSuccess);
   MEGAMOE_ASSERT_OK(cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p,
                                                     nullptr, nullptr, cuda::RowScales::kByKBlock));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(q.get(n), qr);
   const auto s_kb = s.get(static_cast<size_t>(capacity * tiles));
-  int64_t by_k_block_differ = 0;
-  for (int64_t r = 0; r < used; ++r)
-    for (int64_t t = 0; t < tiles; ++t)
-      by_k_block_differ +=
-          float_bits(s_kb[static_cast<size_t>(t * capacity + r)]) != float_bits(sr[static_cast<size_t>(r * tiles + t)]);
+  int64_t by_k_block_differ = 0, by_k_block_past = 0;
+  for (int64_t r = 0; r < capacity; ++r)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint32_t got = float_bits(s_kb[static_cast<size_t>(t * capacity + r)]);
+      if (r < used)
+        by_k_block_differ += got != float_bits(sr[static_cast<size_t>(r * tiles + t)]);
+      else
+        by_k_block_past += got != 0xFFFFFFFFu;
+    }
   EXPECT_EQ(by_k_block_differ, 0) << "scales by k-block";
+  EXPECT_EQ(by_k_block_past, 0) << "scales by k-block written past the used rows";
 }
 
 TEST_P(Fp8Quantize, GatheredRowTilesAreTheGatheredPoolQuantised) {

@@ -162,7 +162,7 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   // same products in the same order), and the runs must have written some.
   void expect_scales_by_k_block_bitwise(cuda::GroupedGemmArgs g, const std::vector<std::pair<void*, size_t>>& outs) {
     auto fill = [&] {
-      for (const auto& o : outs) ASSERT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
+      for (const auto& o : outs) EXPECT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
     };
     auto snapshot = [&] {
       std::vector<std::vector<uint8_t>> v;
@@ -671,11 +671,24 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   g.a_scales = g.b_scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
   const Status k192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(k192.to_string().find("multiple of 128"), std::string::npos) << k192.to_string();
-  // A's scales by k-block: M-grouped FP8 only.
+  // A's scales by k-block: M-grouped FP8 only, a_rows whole 16-byte runs of scales, a_scales 16-byte aligned.
+  const auto* aligned = static_cast<const float*>(weights.view().data);
+  auto expect_by_k_block_refused = [&](const cuda::GroupedGemmArgs& bad, const char* why) {
+    const Status r = cuda::launch_grouped_gemm(bad, sms, nullptr);
+    EXPECT_NE(r.to_string().find("a_scales_by_k_block"), std::string::npos) << why << ": " << r.to_string();
+  };
   cuda::GroupedGemmArgs w;
   w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I, w.k = 128, w.a_scales_by_k_block = true;
-  const Status no_bf16 = cuda::launch_grouped_gemm(w, sms, nullptr);
-  EXPECT_NE(no_bf16.to_string().find("a_scales_by_k_block"), std::string::npos) << no_bf16.to_string();
+  expect_by_k_block_refused(w, "bf16");
+  w.fp8 = true, w.a_rows = H, w.a_cols = C, w.b_rows = I, w.b_cols = C, w.a_scales = w.b_scales = aligned;
+  expect_by_k_block_refused(w, "FP8 kWeightGrad");
+  cuda::GroupedGemmArgs d;
+  d.mode = GemmMode::kDown, d.plan = plan, d.n = H, d.k = I, d.intermediate = I, d.fp8 = true;
+  d.a_rows = C - 2, d.a_cols = I, d.b_rows = E * H, d.b_cols = I, d.a_scales = d.b_scales = aligned;
+  d.a_scales_by_k_block = true;
+  expect_by_k_block_refused(d, "a_rows not a multiple of 4");
+  d.a_rows = C, d.a_scales = aligned + 1;
+  expect_by_k_block_refused(d, "a_scales not 16-byte aligned");
   // kGateUp's up columns start I / 128 scale blocks after the gate columns: I must be whole blocks.
   g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a_cols = g.b_cols = H, g.b_rows = E * 384;
   const Status i192 = cuda::launch_grouped_gemm(g, sms, nullptr);

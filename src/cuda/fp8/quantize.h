@@ -10,7 +10,9 @@
 //           K along the row); or, RowScales::kByKBlock, scales [cols / 128,
 //           rows]: a k-block's scales of consecutive rows are contiguous, so
 //           the grouped GEMM brings a tile's 128 through its stages
-//           (GroupedGemmArgs::a_scales_by_k_block).
+//           (GroupedGemmArgs::a_scales_by_k_block). Their row stride is the
+//           `rows` (or `capacity`) passed here, which must be the GEMM's
+//           a_rows: quantise every row of the pool, not only the used ones.
 //   blocks: w bf16 [batch, rows, cols] -> q u8 [batch, rows, cols] and/or
 //           q_t u8 [batch, cols, rows] (the same bytes transposed: the other
 //           orientation a backward GEMM reads K-major), scales f32

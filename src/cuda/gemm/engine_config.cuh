@@ -92,6 +92,9 @@ inline constexpr int kStagesUsed = kFp8 && kRing ? ModeTraits<M>::kStages / 2 * 
 // a_scales_by_k_block: A's 128 row scales (the first half of the slot).
 // Bytes per slot, and in all for a kernel with a ring (kRing).
 inline constexpr int kScaleStageBytes = 2 * 128 * 4;
+// Which kernels have one: FP8 kWeightGrad's (A and B scales), kARing's (A's).
+template <GemmMode M, bool kFp8, bool kARing>
+inline constexpr bool has_scale_ring = kFp8 && (M == GemmMode::kWeightGrad || kARing);
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 

@@ -172,7 +172,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
-    release(ps.stage());  // kWeightGrad: every lane (its own scale reads), see kLaneRelease
+    release(ps.stage());  // with a scale ring: every lane (its own scale reads), see kLaneRelease
   }
   return true;
 }
@@ -195,8 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int S = Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   constexpr bool kSplitRings = kFp8;
-  // A scale ring beside the stages: FP8 kWeightGrad's (A and B scales), kARing's (A's).
-  constexpr bool kRing = kFp8 && (M == GemmMode::kWeightGrad || kARing);
+  constexpr bool kRing = has_scale_ring<M, kFp8, kARing>;
   static_assert(!kARing || (kFp8 && M != GemmMode::kWeightGrad), "kARing: the M-grouped FP8 modes");
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
-  // FP8 kWeightGrad's lanes read the stage's scale ring with ordinary loads
+  // With a scale ring (FP8 kWeightGrad, kARing) lanes read the stage's ring slot with ordinary loads
   // (the other stages are read by wgmma only): each lane's arrival orders its
   // own reads before the producer's next bulk copy into the slot. A warp
   // leader's arrival after __syncwarp is enough under the PTX memory model,
@@ -482,7 +481,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  constexpr int kSmem = kSmemBytes<M, kFp8, kFp8 && (M == GemmMode::kWeightGrad || kARing)>;
+  constexpr int kSmem = kSmemBytes<M, kFp8, has_scale_ring<M, kFp8, kARing>>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   cudaLaunchConfig_t cfg{};

@@ -84,7 +84,8 @@ struct GroupedGemmArgs {
   // one k-block are one 512-byte run, which the producer brings with the
   // stage into a scale ring beside it (as kWeightGrad's), so the consumers'
   // main loops load no scales of A from global memory. The same products in
-  // the same order: bitwise the by-row layout's result.
+  // the same order: bitwise the by-row layout's result. The scales' row
+  // stride is a_rows: the quantizer must have been given a_rows rows.
   bool a_scales_by_k_block = false;
   const float* a_scales = nullptr;
   const float* b_scales = nullptr;
