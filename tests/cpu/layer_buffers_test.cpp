@@ -112,24 +112,37 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   EXPECT_EQ(s8b.fp8.x_t.bytes, f.x_t.bytes);
   // The four sets (GEMM1/2, data gradients, dW2, dW13): each set's regions
   // are disjoint and clear of everything that is not FP8; the sets share one
-  // area from one offset, as large as the largest set.
-  const std::vector<std::vector<Region>> sets = {{f.x_q, f.x_s, f.a_q, f.a_s},
-                                                 {f.dy_q, f.dy_s, f.dz_q, f.dz_s},
-                                                 {f.dy_t, f.dy_ts, f.wa_t, f.wa_ts},
-                                                 {f.dz_t, f.dz_ts, f.x_t, f.x_ts}};
-  size_t largest = 0;
-  for (const auto& set : sets) {
-    std::vector<Region> all = {s8.chunk_counts, s8.xdy_pool, s8.a_pool, s8.dz_pool, s8.dw_partial, s8.slots};
-    all.insert(all.end(), set.begin(), set.end());
-    expect_disjoint_and_aligned(all, s8.bytes);
-    EXPECT_EQ(set.front().offset, f.x_q.offset) << "every set starts where the first does";
-    largest = std::max(largest, set.back().offset + set.back().bytes - set.front().offset);
-  }
-  for (const Region& r : regions(s8.fp8)) EXPECT_LE(r.offset + r.bytes, s8.bytes_without_slots);
-  // The area is the largest set (no more, up to alignment): x_t's set here, [2I + H] x C bytes and scales.
-  EXPECT_LE(s8.bytes - s16.bytes, largest + 4 * kBufferAlign);
-  EXPECT_EQ(largest, f.x_ts.offset + f.x_ts.bytes - f.dz_t.offset);
-  EXPECT_GE(s8.bytes, s8b.bytes);
+  // area from one offset, as large as the largest set. For fp8 and fp8_bwd,
+  // with the plan in scratch (recompute) or not.
+  for (const Precision p : {Precision::kFP8, Precision::kFP8Bwd})
+    for (const bool holds_plan : {false, true}) {
+      LayerDims dp = bf;
+      dp.precision = p;
+      ScratchLayout s, s_bf16;
+      ASSERT_TRUE(scratch_layout(dp, holds_plan, &s).ok());
+      ASSERT_TRUE(scratch_layout(bf, holds_plan, &s_bf16).ok());
+      const Fp8Layout& g = s.fp8;
+      const std::vector<std::vector<Region>> sets = {{g.x_q, g.x_s, g.a_q, g.a_s},
+                                                     {g.dy_q, g.dy_s, g.dz_q, g.dz_s},
+                                                     {g.dy_t, g.dy_ts, g.wa_t, g.wa_ts},
+                                                     {g.dz_t, g.dz_ts, g.x_t, g.x_ts}};
+      size_t largest = 0;
+      for (const auto& set : sets) {
+        std::vector<Region> all = {s.chunk_counts, s.xdy_pool, s.a_pool, s.dz_pool, s.dw_partial, s.slots};
+        if (holds_plan) all.push_back(Region{s.plan_offset, s.plan.bytes});
+        for (const Region& r : set)
+          if (r.bytes > 0) all.push_back(r);
+        expect_disjoint_and_aligned(all, s.bytes);
+        EXPECT_EQ(set.front().offset, g.x_q.offset) << "every set starts where the first does";
+        largest = std::max(largest, set.back().offset + set.back().bytes - set.front().offset);
+      }
+      for (const Region& r : regions(g)) EXPECT_LE(r.offset + r.bytes, s.bytes_without_slots);
+      // The area is the largest set (no more, up to alignment): the data gradients' (= dW13's) here.
+      EXPECT_LE(s.bytes - s_bf16.bytes, largest + 4 * kBufferAlign);
+      EXPECT_GE(s.bytes - s_bf16.bytes, largest);
+    }
+  // fp8_bwd needs the same area: the backward's sets are the largest.
+  EXPECT_EQ(s8.bytes, s8b.bytes);
   EXPECT_GT(s8b.bytes, s16.bytes);
 }
 

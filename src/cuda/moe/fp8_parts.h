@@ -7,7 +7,12 @@
 // weight-gradient operands by separate passes over the pools (not yet fused
 // into the epilogues that produce them). The e4m3 weights come from the caller's buffer
 // (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
-// it is not current. Host code; async on the call's stream.
+// it is not current. Host code; async on the call's stream. The operand
+// regions of GEMM1/2, the data gradients, dW2 and dW13 share one scratch area
+// (core/layer_buffers.h, Fp8Layout): a step may write only its own set, and
+// only after the previous set's last reader, in stream order (a quantize
+// fused into an earlier step, or a step on another stream, must move its
+// region out of the shared area first).
 #pragma once
 
 #include "cuda/moe/layer_parts.h"
