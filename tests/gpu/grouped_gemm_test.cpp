@@ -621,6 +621,62 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   expect_scales_by_k_block_bitwise(g, {{dz8.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
                                        {wa8.dev.view().data, static_cast<size_t>(pool_rows * I * 2)},
                                        {dwp8.view().data, static_cast<size_t>(pool_rows * (I / 128) * 4)}});
+
+  // dz in e4m3 from the epilogue (dz_q): bitwise what the row quantizer makes
+  // of the bf16 dz the same call writes, scales by row and by k-block, and
+  // the epilogue's other outputs unchanged.
+  const size_t dz_bytes = static_cast<size_t>(pool_rows * 2 * I * 2);
+  std::vector<uint8_t> dz_before(dz_bytes);
+  ASSERT_EQ(cudaMemcpy(dz_before.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  const int64_t groups = 2 * I / 128;
+  for (const bool by_k_block : {false, true}) {
+    DeviceTensor fq(DType::kFP8E4M3, {C, 2 * I}), fs(DType::kF32, {C, groups});
+    DeviceTensor rq(DType::kFP8E4M3, {C, 2 * I}), rs(DType::kF32, {C, groups});
+    ASSERT_TRUE(fq.fill_bytes(0xAB).ok() && fs.fill_bytes(0xAB).ok());
+    cuda::GroupedGemmArgs q = g;
+    q.dz_q = static_cast<uint8_t*>(fq.view().data), q.dz_s = static_cast<float*>(fs.view().data);
+    q.dz_scale = cuda::Fp8Scale::kFloat32, q.dz_scales_by_k_block = by_k_block;
+    run(q);
+    std::vector<uint8_t> dz_after(dz_bytes);
+    ASSERT_EQ(cudaMemcpy(dz_after.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(dz_after == dz_before) << "dz changed with dz_q set";
+    const auto layout = by_k_block ? cuda::RowScales::kByKBlock : cuda::RowScales::kByRow;
+    MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dz8.dev.view().data, C, 2 * I, cuda::Fp8Scale::kFloat32,
+                                               static_cast<uint8_t*>(rq.view().data),
+                                               static_cast<float*>(rs.view().data), nullptr, layout));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> got_q(static_cast<size_t>(C * 2 * I)), want_q(got_q.size());
+    std::vector<uint32_t> got_s(static_cast<size_t>(C * groups)), want_s(got_s.size());
+    ASSERT_EQ(cudaMemcpy(got_q.data(), fq.view().data, got_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(want_q.data(), rq.view().data, want_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_s.data(), fs.view().data, got_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(want_s.data(), rs.view().data, want_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t q_differ = 0, s_differ = 0, written_past = 0;
+    for (int64_t r = 0; r < C; ++r) {
+      for (int64_t c = 0; c < 2 * I; ++c) {
+        const size_t i = static_cast<size_t>(r * 2 * I + c);
+        if (r < pool_rows)
+          q_differ += got_q[i] != want_q[i];
+        else
+          written_past += got_q[i] != 0xAB;
+      }
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const size_t i = static_cast<size_t>(by_k_block ? gi * C + r : r * groups + gi);
+        if (r < pool_rows)
+          s_differ += got_s[i] != want_s[i];
+        else
+          written_past += got_s[i] != 0xABABABABu;
+      }
+    }
+    EXPECT_EQ(q_differ, 0) << (by_k_block ? "by k-block" : "by row");
+    EXPECT_EQ(s_differ, 0) << (by_k_block ? "by k-block" : "by row");
+    EXPECT_EQ(written_past, 0) << "dz_q / dz_s written past the pool's used rows";
+  }
+  // Refused where it does not exist: another mode, no scales.
+  cuda::GroupedGemmArgs bad = g;
+  bad.dz_q = static_cast<uint8_t*>(dwp8.view().data), bad.dz_s = nullptr;
+  const Status no_s = cuda::launch_grouped_gemm(bad, sms, nullptr);
+  EXPECT_NE(no_s.to_string().find("dz_q"), std::string::npos) << no_s.to_string();
 }
 
 TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {

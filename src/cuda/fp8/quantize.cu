@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <string>
 
-#include "core/fp8_scale.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/fp8/e4m3.cuh"
 #include "cuda/fp8/quantize.h"
 
 namespace megamoe::cuda {
@@ -13,30 +13,17 @@ namespace {
 
 constexpr int kTile = 128;
 
-__device__ __forceinline__ float tile_scale(float amax, Fp8Scale kind) {
-  return kind == Fp8Scale::kFloat32 ? fp8_scale_fp32(amax) : fp8_scale_pow2(amax);
-}
-
-// |v| folded into a running amax; NaN wins (fmaxf alone would drop it), as in
-// the CPU reference's fake_quantize_e4m3.
-__device__ __forceinline__ float fold_amax(float amax, float v) {
-  const float a = fabsf(v);
-  return (a != a || amax != amax) ? __int_as_float(0x7FC00000) : fmaxf(amax, a);
-}
+using fp8::fold_amax;
+using fp8::tile_scale;
+using fp8::to_e4m3;
 
 // The amax of 8 bf16 values (one 16-byte load) as fold_amax would fold them:
 // |v| and the maximum taken on bf16 pairs (exact: the values are bf16; NaN
 // propagates), then a NaN made the canonical one fold_amax returns.
 __device__ __forceinline__ float amax_of_8(const uint4& raw) {
   const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-  const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])),
-                                       __hmax2_nan(__habs2(p[2]), __habs2(p[3])));
-  const float2 f = __bfloat1622float2(m);
-  return fold_amax(fabsf(f.x), f.y);
-}
-
-__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3));
+  return fp8::amax_of_pair(__hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])),
+                                       __hmax2_nan(__habs2(p[2]), __habs2(p[3]))));
 }
 
 // The tiles of [rows, cols] are consecutive 128-element runs (tile t at

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/fp8/e4m3.cuh"
 #include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/pipeline.cuh"
 #include "cuda/gemm/tile_scheduler.cuh"
@@ -217,7 +218,9 @@ struct Epilogue<GemmMode::kGateUpGrad> : SlotEpilogue<GemmMode::kGateUpGrad> {};
 // kDownGrad: from ga and the saved z, the SwiGLU backward, the dW2 operand and d topk_w partials.
 //   a = bf16(silu(g) u); d topk_w partial = sum_c ga a; da = w ga;
 //   dz = [bf16(da u silu'(g)), bf16(da silu(g))]; wa = bf16(w a) (dW2 operand),
-// with acc = ga for a-columns 128n + c.
+// with acc = ga for a-columns 128n + c. With GroupedGemmArgs::dz_q, dz also in
+// e4m3: a row's 128 dz_g (and 128 dz_u) columns of the tile are one 1 x 128
+// tile of the recipe, held by the 4 lanes of a quad, so its amax is theirs.
 //
 // The saved z comes through the consumer's own 32 KB buffer, not the ring (z
 // in ring stages stalled the producer: the ring is FIFO, so while an
@@ -240,6 +243,46 @@ __device__ __forceinline__ void load_z_chunk(const KernelParams& p, const Epilog
 
 template <>
 struct Epilogue<GemmMode::kDownGrad> {
+  // dz_q and dz_s of row half h from the bf16 dz this thread has just written
+  // into the chunk (its own places: no barrier), with its pairs' maxima: the
+  // quad's maximum is the row's over the tile's 128 g (u) columns. The same
+  // amax, scale and division as quantize_e4m3_rows on those bf16 values.
+  static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, const Tile& tile, int h,
+                                                     const __nv_bfloat162 (&dz_amax)[2][2], uint32_t z_g, uint32_t z_u) {
+    const int64_t I = a.intermediate, groups = 2 * I / 128, rows = a.a_rows;
+    float scale[2][2];  // [row q][g, u]
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int gu = 0; gu < 2; ++gu) {
+        float amax = fp8::amax_of_pair(dz_amax[q][gu]);
+        amax = fp8::fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = fp8::fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        scale[q][gu] = fp8::tile_scale(amax, a.dz_scale);
+        if ((threadIdx.x & 3) == 0) {
+          const int64_t row = static_cast<int64_t>(tile.m) * kBlockM + acc_row(h, 2 * q);
+          const int64_t group = gu * (I / 128) + tile.n;  // dz's 128-column block: g's n-th, or u's
+          a.dz_s[a.dz_scales_by_k_block ? group * rows + row : row * groups + group] = scale[q][gu];
+        }
+      }
+    const HalfTilePlaces place;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int q = (i >> 1) & 1;
+      const uint32_t off = place(i);
+      const int64_t row = static_cast<int64_t>(tile.m) * kBlockM + acc_row(h, i);
+      const int64_t col = static_cast<int64_t>(tile.n) * kBlockN + acc_col(i);
+#pragma unroll
+      for (int gu = 0; gu < 2; ++gu) {
+        const float2 v = __bfloat1622float2(*static_cast<const __nv_bfloat162*>(
+            __cvta_shared_to_generic((gu == 0 ? z_g : z_u) + off)));
+        const uint16_t bytes = static_cast<uint16_t>(fp8::to_e4m3(v.x, scale[q][gu]) |
+                                                     (fp8::to_e4m3(v.y, scale[q][gu]) << 8));
+        *reinterpret_cast<uint16_t*>(a.dz_q + row * 2 * I + gu * I + col) = bytes;
+      }
+    }
+  }
+
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& ctx) const {
     const GroupedGemmArgs& a = p.args;
@@ -263,6 +306,9 @@ struct Epilogue<GemmMode::kDownGrad> {
       ++ctx.z_waits;
       float dw[2] = {0.0f, 0.0f};
       uint32_t wa_held[32];  // bf16x2 of wa per accumulator pair (i, i + 1)
+      // dz_q: running |dz| maxima of this thread's bf16 pairs, [row q][g, u].
+      const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
+      __nv_bfloat162 dz_amax[2][2] = {{zero2, zero2}, {zero2, zero2}};
       const HalfTilePlaces place;
 #pragma unroll
       for (int i = 0; i < 64; i += 2) {
@@ -281,8 +327,12 @@ struct Epilogue<GemmMode::kDownGrad> {
           out_dg[e] = (w * ga) * u * (sg * (1.0f + g * (1.0f - sg)));
           out_du[e] = (w * ga) * silu;
         }
-        *at(z_g + off) = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
-        *at(z_u + off) = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        const __nv_bfloat162 dg2 = __floats2bfloat162_rn(out_dg[0], out_dg[1]);
+        const __nv_bfloat162 du2 = __floats2bfloat162_rn(out_du[0], out_du[1]);
+        *at(z_g + off) = dg2;
+        *at(z_u + off) = du2;
+        dz_amax[q][0] = fp8::amax_pair(dz_amax[q][0], dg2);
+        dz_amax[q][1] = fp8::amax_pair(dz_amax[q][1], du2);
         const __nv_bfloat162 wa2 = __floats2bfloat162_rn(out_wa[0], out_wa[1]);
         wa_held[i / 2] = *reinterpret_cast<const uint32_t*>(&wa2);
       }
@@ -293,6 +343,7 @@ struct Epilogue<GemmMode::kDownGrad> {
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
+      if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
       fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
       consumer_sync();
       if (storer) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_errors.h"
+#include "cuda/fp8/quantize.h"
 #include "megamoe/status.h"
 
 namespace megamoe::cuda {
@@ -110,6 +111,15 @@ struct GroupedGemmArgs {
   } peer_slots;
   void* out1 = nullptr;  // kGateUp: a_pool | kDownGrad: wa_pool [capacity, I]
   float* dw_partial = nullptr;  // kDownGrad: [capacity, I / 128]
+  // kDownGrad, optional: dz also as e4m3 rows, quantised in the epilogue from
+  // the bf16 dz it writes (bitwise what quantize_e4m3_rows makes of out0's
+  // rows: 1 x 128 tiles, each tile column block's g or u half): dz_q
+  // [a_rows, 2I], dz_s [a_rows, 2I / 128], or [2I / 128, a_rows] with
+  // dz_scales_by_k_block. Only the tiles' rows (the pool's used rows) are written.
+  uint8_t* dz_q = nullptr;
+  float* dz_s = nullptr;
+  Fp8Scale dz_scale = Fp8Scale::kFloat32;
+  bool dz_scales_by_k_block = false;
   bool out_f32 = false;         // kWeightGrad: fp32 output (else bf16)
   bool accumulate = false;      // kWeightGrad fp32: add to out0
   DeviceErrorSink errors;       // where a timed-out wait is reported (and its bound)
