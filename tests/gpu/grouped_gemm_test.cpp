@@ -629,54 +629,71 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   std::vector<uint8_t> dz_before(dz_bytes);
   ASSERT_EQ(cudaMemcpy(dz_before.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   const int64_t groups = 2 * I / 128;
-  for (const bool by_k_block : {false, true}) {
-    DeviceTensor fq(DType::kFP8E4M3, {C, 2 * I}), fs(DType::kF32, {C, groups});
-    DeviceTensor rq(DType::kFP8E4M3, {C, 2 * I}), rs(DType::kF32, {C, groups});
-    ASSERT_TRUE(fq.fill_bytes(0xAB).ok() && fs.fill_bytes(0xAB).ok());
-    cuda::GroupedGemmArgs q = g;
-    q.dz_q = static_cast<uint8_t*>(fq.view().data), q.dz_s = static_cast<float*>(fs.view().data);
-    q.dz_scale = cuda::Fp8Scale::kFloat32, q.dz_scales_by_k_block = by_k_block;
-    run(q);
-    std::vector<uint8_t> dz_after(dz_bytes);
-    ASSERT_EQ(cudaMemcpy(dz_after.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_TRUE(dz_after == dz_before) << "dz changed with dz_q set";
-    const auto layout = by_k_block ? cuda::RowScales::kByKBlock : cuda::RowScales::kByRow;
-    MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dz8.dev.view().data, C, 2 * I, cuda::Fp8Scale::kFloat32,
-                                               static_cast<uint8_t*>(rq.view().data),
-                                               static_cast<float*>(rs.view().data), nullptr, layout));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<uint8_t> got_q(static_cast<size_t>(C * 2 * I)), want_q(got_q.size());
-    std::vector<uint32_t> got_s(static_cast<size_t>(C * groups)), want_s(got_s.size());
-    ASSERT_EQ(cudaMemcpy(got_q.data(), fq.view().data, got_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(want_q.data(), rq.view().data, want_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_s.data(), fs.view().data, got_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(want_s.data(), rs.view().data, want_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    int64_t q_differ = 0, s_differ = 0, written_past = 0;
-    for (int64_t r = 0; r < C; ++r) {
-      for (int64_t c = 0; c < 2 * I; ++c) {
-        const size_t i = static_cast<size_t>(r * 2 * I + c);
-        if (r < pool_rows)
-          q_differ += got_q[i] != want_q[i];
-        else
-          written_past += got_q[i] != 0xAB;
+  // A's scales by k-block too in the by-k-block runs: the kernel the layer uses with both.
+  std::vector<float> a_s(static_cast<size_t>(C * (H / 128))), a_s_t(a_s.size());
+  ASSERT_EQ(cudaMemcpy(a_s.data(), g.a_scales, a_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int64_t r = 0; r < C; ++r)
+    for (int64_t kb = 0; kb < H / 128; ++kb) a_s_t[static_cast<size_t>(kb * C + r)] = a_s[static_cast<size_t>(r * (H / 128) + kb)];
+  DeviceTensor a_scales_t(DType::kF32, {H / 128, C});
+  ASSERT_EQ(cudaMemcpy(a_scales_t.view().data, a_s_t.data(), a_s_t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const bool by_k_block : {false, true})
+    for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
+      const std::string what = std::string(by_k_block ? "by k-block" : "by row") +
+                               (kind == cuda::Fp8Scale::kFloat32 ? ", fp32 scales" : ", pow2 scales");
+      DeviceTensor fq(DType::kFP8E4M3, {C, 2 * I}), fs(DType::kF32, {C, groups});
+      DeviceTensor rq(DType::kFP8E4M3, {C, 2 * I}), rs(DType::kF32, {C, groups});
+      ASSERT_TRUE(fq.fill_bytes(0xAB).ok() && fs.fill_bytes(0xAB).ok());
+      cuda::GroupedGemmArgs q = g;
+      q.dz_q = static_cast<uint8_t*>(fq.view().data), q.dz_s = static_cast<float*>(fs.view().data);
+      q.dz_scale = kind, q.dz_scales_by_k_block = by_k_block;
+      if (by_k_block) q.a_scales = static_cast<const float*>(a_scales_t.view().data), q.a_scales_by_k_block = true;
+      run(q);
+      std::vector<uint8_t> dz_after(dz_bytes);
+      ASSERT_EQ(cudaMemcpy(dz_after.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_TRUE(dz_after == dz_before) << "dz changed with dz_q set, " << what;
+      const auto layout = by_k_block ? cuda::RowScales::kByKBlock : cuda::RowScales::kByRow;
+      MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dz8.dev.view().data, C, 2 * I, kind,
+                                                 static_cast<uint8_t*>(rq.view().data),
+                                                 static_cast<float*>(rs.view().data), nullptr, layout));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint8_t> got_q(static_cast<size_t>(C * 2 * I)), want_q(got_q.size());
+      std::vector<uint32_t> got_s(static_cast<size_t>(C * groups)), want_s(got_s.size());
+      ASSERT_EQ(cudaMemcpy(got_q.data(), fq.view().data, got_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(want_q.data(), rq.view().data, want_q.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(got_s.data(), fs.view().data, got_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(want_s.data(), rs.view().data, want_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      int64_t q_differ = 0, s_differ = 0, written_past = 0;
+      for (int64_t r = 0; r < C; ++r) {
+        for (int64_t c = 0; c < 2 * I; ++c) {
+          const size_t i = static_cast<size_t>(r * 2 * I + c);
+          if (r < pool_rows)
+            q_differ += got_q[i] != want_q[i];
+          else
+            written_past += got_q[i] != 0xAB;
+        }
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const size_t i = static_cast<size_t>(by_k_block ? gi * C + r : r * groups + gi);
+          if (r < pool_rows)
+            s_differ += got_s[i] != want_s[i];
+          else
+            written_past += got_s[i] != 0xABABABABu;
+        }
       }
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const size_t i = static_cast<size_t>(by_k_block ? gi * C + r : r * groups + gi);
-        if (r < pool_rows)
-          s_differ += got_s[i] != want_s[i];
-        else
-          written_past += got_s[i] != 0xABABABABu;
-      }
+      EXPECT_EQ(q_differ, 0) << what;
+      EXPECT_EQ(s_differ, 0) << what;
+      EXPECT_EQ(written_past, 0) << "dz_q / dz_s written past the pool's used rows, " << what;
     }
-    EXPECT_EQ(q_differ, 0) << (by_k_block ? "by k-block" : "by row");
-    EXPECT_EQ(s_differ, 0) << (by_k_block ? "by k-block" : "by row");
-    EXPECT_EQ(written_past, 0) << "dz_q / dz_s written past the pool's used rows";
-  }
-  // Refused where it does not exist: another mode, no scales.
+  // Refused where it does not exist: no scales, another mode (buffers of the right size, never written).
+  DeviceTensor spare_q(DType::kFP8E4M3, {C, 2 * I}), spare_s(DType::kF32, {C, groups});
   cuda::GroupedGemmArgs bad = g;
-  bad.dz_q = static_cast<uint8_t*>(dwp8.view().data), bad.dz_s = nullptr;
+  bad.dz_q = static_cast<uint8_t*>(spare_q.view().data), bad.dz_s = nullptr;
   const Status no_s = cuda::launch_grouped_gemm(bad, sms, nullptr);
   EXPECT_NE(no_s.to_string().find("dz_q"), std::string::npos) << no_s.to_string();
+  cuda::GroupedGemmArgs other;
+  other.mode = GemmMode::kDown, other.plan = plan, other.n = H, other.k = I, other.intermediate = I;
+  other.dz_q = static_cast<uint8_t*>(spare_q.view().data), other.dz_s = static_cast<float*>(spare_s.view().data);
+  const Status not_down_grad = cuda::launch_grouped_gemm(other, sms, nullptr);
+  EXPECT_NE(not_down_grad.to_string().find("dz_q"), std::string::npos) << not_down_grad.to_string();
 }
 
 TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {

@@ -343,7 +343,6 @@ struct Epilogue<GemmMode::kDownGrad> {
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
         if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
       }
-      if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
       fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
       consumer_sync();
       if (storer) {
@@ -352,8 +351,10 @@ struct Epilogue<GemmMode::kDownGrad> {
           tma_store_2d(ctx.out_map[0], ctx.z_chunk + (2 + c) * kBoxBytes, I + col0 + c * 64, row);      // dz_u
         }
         bulk_commit_group();
-        bulk_wait_group_read<0>();
       }
+      // dz in e4m3 while the TMA stores read the same bf16 (reads only, on both sides).
+      if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
+      if (storer) bulk_wait_group_read<0>();
       consumer_sync();  // dz has been read out: wa may overwrite the g part
       const HalfTilePlaces place2;  // the same places, offsets rebuilt (see HalfTilePlaces)
 #pragma unroll

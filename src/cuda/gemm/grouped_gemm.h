@@ -5,7 +5,7 @@
 //  mode          C[M,N] =                       grouping   epilogue
 //  kGateUp       x_pool @ w13[e]^T   (K = H)     M by tile  z -> bf16 (keep), a = silu(g) u -> bf16
 //  kDown         a_pool @ w2[e]^T    (K = I)     M by tile  slot[j,t] = bf16(topk_w * C)
-//  kDownGrad     dy_pool @ w2[e]     (K = H)     M by tile  ga -> d topk_w partials, dz, topk_w * a
+//  kDownGrad     dy_pool @ w2[e]     (K = H)     M by tile  ga -> d topk_w partials, dz (and e4m3 dz: dz_q), topk_w * a
 //  kGateUpGrad   dz_pool @ w13[e]    (K = 2I)    M by tile  dx slot[j,t] = bf16(C)
 //  kWeightGrad   A_pool^T @ B_pool   (K = rows)  K by expert dW[e] -> fp32 (or +=) / bf16
 //

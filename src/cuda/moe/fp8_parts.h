@@ -3,9 +3,10 @@
 // row tiles along K for activations and output gradients, 128 x 128 blocks for
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
-// x and dy are quantised as they are gathered into the pool; a, dz and the
+// x and dy are quantised as they are gathered into the pool; a and the
 // weight-gradient operands by separate passes over the pools (not yet fused
-// into the epilogues that produce them). The e4m3 weights come from the caller's buffer
+// into the epilogues that produce them); dz by a pass too, or, with
+// MEGAMOE_FP8_NEXT=1 (fp8_parts.cpp), in kDownGrad's epilogue. The e4m3 weights come from the caller's buffer
 // (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
 // it is not current. Host code; async on the call's stream. The operand
 // regions of GEMM1/2, the data gradients, dW2 and dW13 share one scratch area
