@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bench_options.h"
 #include "megamoe/presets.h"
@@ -101,8 +102,22 @@ int main(int argc, char** argv) {
   const double fwd_ms = testing::median_ms([&] { rotate(), fwd(); }, warmup, iters, nullptr);
   const double bwd_ms = testing::median_ms(bwd, warmup, iters, nullptr, [&] { rotate(), fwd(); });
   const double both_ms = testing::median_ms([&] { rotate(), fwd(), bwd(); }, warmup, iters, nullptr);
+  // The outputs of one more forward + backward on input set 0, hashed (FNV-1a
+  // of the bytes): runs that must agree bit for bit (scripts/device-fp8's
+  // MEGAMOE_FP8_NEXT pair) compare these.
+  cur = 1;
+  rotate(), fwd(), bwd();
   if (st.ok()) st = check_device_errors(0, o.cuda_stream);
   if (!st.ok()) return fail(st);
+  auto digest = [](const testing::DeviceTensor& t) {
+    std::vector<unsigned char> h(static_cast<size_t>(t.view().size_bytes()));
+    if (cudaMemcpy(h.data(), t.view().data, h.size(), cudaMemcpyDeviceToHost) != cudaSuccess) return uint64_t{0};
+    uint64_t v = 1469598103934665603ull;
+    for (unsigned char c : h) v = (v ^ c) * 1099511628211ull;
+    return v;
+  };
+  const testing::DeviceLayer& d0 = sets[0];
+  const uint64_t dg[5] = {digest(d0.y), digest(d0.dx), digest(d0.d_topk_weights), digest(d0.dw13), digest(d0.dw2)};
 
   const double ff = forward_flops(p), bf = backward_flops(p, o.save_policy);
   const double tf_f = ff / (fwd_ms * 1e9), tf_b = bf / (bwd_ms * 1e9), tf_fb = (ff + bf) / (both_ms * 1e9);
@@ -121,6 +136,10 @@ int main(int argc, char** argv) {
   std::printf("device memory: scratch + saved %.2f GiB + one set of inputs/outputs/grads ~%.2f GiB", ws_gib, io_gib);
   if (fp8) std::printf(" + the layer's fp8 weights %.2f GiB", static_cast<double>(b.fp8_weights_bytes) / (1 << 30));
   std::printf(" (allocation sizes)\n");
+  std::printf("digest (y dx d_topk_weights dw13 dw2): %016llx %016llx %016llx %016llx %016llx\n",
+              static_cast<unsigned long long>(dg[0]), static_cast<unsigned long long>(dg[1]),
+              static_cast<unsigned long long>(dg[2]), static_cast<unsigned long long>(dg[3]),
+              static_cast<unsigned long long>(dg[4]));
   if (!opt["json"].empty()) {
     FILE* f = std::fopen(opt["json"].c_str(), "w");
     if (f != nullptr) {
@@ -128,10 +147,13 @@ int main(int argc, char** argv) {
                    "{\"preset\": \"%s\", \"tokens\": %lld, \"save\": \"%s\", \"forward_ms\": %.4f, "
                    "\"backward_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"forward_tflops\": %.2f, \"backward_tflops\": %.2f, "
                    "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"scratch_bytes\": %zu, \"saved_bytes\": %zu, "
-                   "\"precision\": \"%s\", \"fp8_weights\": \"%s\", \"fp8_weights_bytes\": %zu}\n",
+                   "\"precision\": \"%s\", \"fp8_weights\": \"%s\", \"fp8_weights_bytes\": %zu, "
+                   "\"digest\": \"%016llx %016llx %016llx %016llx %016llx\"}\n",
                    shape->name, static_cast<long long>(p.num_tokens), to_string(o.save_policy), fwd_ms, bwd_ms,
                    both_ms, tf_f, tf_b, tf_fb, kPeakTflops, b.scratch_bytes, b.saved_bytes, to_string(o.precision),
-                   weights_cached ? "cached" : "step", b.fp8_weights_bytes);
+                   weights_cached ? "cached" : "step", b.fp8_weights_bytes, static_cast<unsigned long long>(dg[0]),
+                   static_cast<unsigned long long>(dg[1]), static_cast<unsigned long long>(dg[2]),
+                   static_cast<unsigned long long>(dg[3]), static_cast<unsigned long long>(dg[4]));
       std::fclose(f);
     }
   }
