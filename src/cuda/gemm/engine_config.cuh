@@ -23,8 +23,9 @@ inline constexpr int kThreads = 384;
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 // The split rings' producer (pipeline.cuh) keeps a cursor per ring and
 // spills at 40 registers (ptxas); its kernels split 56 / 224. (At 224 the
-// consumers of FP8 kGateUp, kDown and kGateUpGrad spill 4-8 bytes, ptxas;
-// the cursors in shared memory with 40 / 232 measured 7-19% slower.)
+// consumers of the by-row-scale FP8 kGateUp, kDown, kDownGrad and
+// kGateUpGrad spill 4-8 bytes, ptxas (kDownGrad: its tile loop counter); the
+// cursors in shared memory with 40 / 232 measured 7-19% slower.)
 template <bool kSplitRings>
 struct RegisterSplit {
   static constexpr int kProducer = kSplitRings ? 56 : 40, kConsumer = kSplitRings ? 224 : 232;
