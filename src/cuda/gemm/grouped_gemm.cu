@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const bool other = (first == 0 ? c1.t : c0.t) < tiles;
           const int got = waits.wait_either(&ring.empty[first * R + fs.stage()], fs.empty_parity(),
                                             other ? &ring.empty[(first ^ 1) * R + os.stage()] : nullptr,
-                                            os.empty_parity(), kBarrierEmpty, fs.it);
+                                            os.empty_parity(), kBarrierEmpty, fs.it, p.args.producer_park_ns);
           if (got < 0) return;
           if ((first ^ got) == 0) {
             serve(c0, 0);

@@ -87,16 +87,19 @@ struct BoundedWait {
   }
 
   // Either of two mbarrier phases (the split rings' producer, one per
-  // consumer ring; b1 == nullptr: b0 alone). Polls without suspending, so a
-  // phase of b1 is seen while b0's is pending. 0 or 1: the one that completed
-  // (b0 when both have); -1: gave up, reported as a wait on b0 (bounded as
-  // wait bounds `barrier`).
+  // consumer ring; b1 == nullptr: b0 alone). park_ns = 0: polls both without
+  // suspending; else each turn parks on b0 for up to park_ns (woken as soon as
+  // its phase completes), then tests b1 (GroupedGemmArgs::producer_park_ns).
+  // 0 or 1: the one that completed (b0 when both have); -1: gave up, reported
+  // as a wait on b0 (bounded as wait bounds `barrier`).
   __device__ __forceinline__ int wait_either(uint64_t* b0, uint32_t p0, uint64_t* b1, uint32_t p1, BarrierId barrier,
-                                             uint32_t phase) const {
+                                             uint32_t phase, uint32_t park_ns) const {
+    if (ptx::mbar_test_wait(b0, p0)) return 0;
+    if (b1 != nullptr && ptx::mbar_test_wait(b1, p1)) return 1;
     const uint64_t start = global_timer_ns();
     uint64_t leave_at = ~uint64_t{0};
     for (;;) {
-      if (ptx::mbar_test_wait(b0, p0)) return 0;
+      if (park_ns != 0 ? ptx::mbar_try_wait_for(b0, p0, park_ns) : ptx::mbar_test_wait(b0, p0)) return 0;
       if (b1 != nullptr && ptx::mbar_test_wait(b1, p1)) return 1;
       const uint64_t now = global_timer_ns();
       if (now >= leave_at) return -1;
