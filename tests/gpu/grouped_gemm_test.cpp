@@ -156,6 +156,17 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   }
   double route_weight(int src) const { return data.topk_weights.get(src); }
 
+  // A's row scales [rows, kbs] on the device, transposed into the by-k-block layout [kbs, rows].
+  static DeviceTensor scales_by_k_block(const float* by_row, int64_t rows, int64_t kbs) {
+    std::vector<float> s(static_cast<size_t>(rows * kbs)), t(s.size());
+    EXPECT_EQ(cudaMemcpy(s.data(), by_row, s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t kb = 0; kb < kbs; ++kb) t[static_cast<size_t>(kb * rows + r)] = s[static_cast<size_t>(r * kbs + kb)];
+    DeviceTensor out(DType::kF32, {kbs, rows});
+    EXPECT_EQ(cudaMemcpy(out.view().data, t.data(), t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    return out;
+  }
+
   // M-grouped FP8: g with A's scales by row, then by k-block (transposed here
   // from g's [a_rows, k / 128] into [k / 128, a_rows]), each on outputs
   // filled with 0xFF first: every output byte must come out the same (the
@@ -175,13 +186,7 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     fill();
     run(g);
     const auto by_row = snapshot();
-    const int64_t kbs = g.k / 128, ar = g.a_rows;
-    std::vector<float> s(static_cast<size_t>(ar * kbs)), t(s.size());
-    ASSERT_EQ(cudaMemcpy(s.data(), g.a_scales, s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (int64_t r = 0; r < ar; ++r)
-      for (int64_t kb = 0; kb < kbs; ++kb) t[static_cast<size_t>(kb * ar + r)] = s[static_cast<size_t>(r * kbs + kb)];
-    DeviceTensor by_k_block(DType::kF32, {kbs, ar});
-    ASSERT_EQ(cudaMemcpy(by_k_block.view().data, t.data(), t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    const DeviceTensor by_k_block = scales_by_k_block(g.a_scales, g.a_rows, g.k / 128);
     g.a_scales = static_cast<const float*>(by_k_block.view().data);
     g.a_scales_by_k_block = true;
     fill();
@@ -642,12 +647,7 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   ASSERT_EQ(cudaMemcpy(dz_before.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   const int64_t groups = 2 * I / 128;
   // A's scales by k-block too in the by-k-block runs: the kernel the layer uses with both.
-  std::vector<float> a_s(static_cast<size_t>(C * (H / 128))), a_s_t(a_s.size());
-  ASSERT_EQ(cudaMemcpy(a_s.data(), g.a_scales, a_s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int64_t r = 0; r < C; ++r)
-    for (int64_t kb = 0; kb < H / 128; ++kb) a_s_t[static_cast<size_t>(kb * C + r)] = a_s[static_cast<size_t>(r * (H / 128) + kb)];
-  DeviceTensor a_scales_t(DType::kF32, {H / 128, C});
-  ASSERT_EQ(cudaMemcpy(a_scales_t.view().data, a_s_t.data(), a_s_t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const DeviceTensor a_scales_t = scales_by_k_block(g.a_scales, C, H / 128);
   for (const bool by_k_block : {false, true})
     for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
       const std::string what = std::string(by_k_block ? "by k-block" : "by row") +

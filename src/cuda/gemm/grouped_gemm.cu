@@ -349,9 +349,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<RegisterSplit<kSplitRings>::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  const StageRing<R> my_ring{ring.full + (kSplitRings ? cw * R : 0), ring.empty + (kSplitRings ? cw * R : 0)};
-  const uint8_t* my_stages = smem + (kSplitRings ? cw * R * kStageBytes : 0);
-  const float* my_scales = scale_ring + (kSplitRings ? cw * R * (kScaleStageBytes / 4) : 0);
+  const int my_first = kSplitRings ? cw * R : 0;  // this consumer's first slot
+  const StageRing<R> my_ring{ring.full + my_first, ring.empty + my_first};
+  const uint8_t* my_stages = smem + my_first * kStageBytes;
+  const float* my_scales = scale_ring + my_first * (kScaleStageBytes / 4);
   // A warp (every lane with kLaneRelease) gives stage s of its ring back to
   // this CTA's producer and, in a pair, to the peer's.
   auto release = [&](int s) {

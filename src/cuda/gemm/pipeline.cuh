@@ -172,11 +172,7 @@ struct StageRing {
 // (one shared ring serialises the main loops: see OrderBarriers). The
 // producer keeps a cursor per ring and loads into whichever ring has a free
 // slot, the earlier tile's first (split_first, pipeline_state.h), so an
-// epilogue still overlaps the other consumer's main loop.
-template <int kStages>
-__device__ __forceinline__ StageRing<kStages / 2> split_ring(const StageRing<kStages>& ring, int consumer) {
-  return {ring.full + consumer * (kStages / 2), ring.empty + consumer * (kStages / 2)};
-}
+// epilogue still overlaps the other consumer's main loop (grouped_gemm.cu).
 
 // The consumers run their main loops in tile order, one at a time: a consumer
 // starts waiting for its tile's stages only after the other has waited for
