@@ -31,11 +31,11 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
                                             {"iters", "20"},            {"warmup", "3"},      {"json", ""},
                                             {"wgrad", "f32"},           {"precision", "bf16"},
-                                            {"fp8-weights", "step"}};
+                                            {"fp8-weights", "step"},    {"scale", "fp32"}};
   if (!bench::parse_options(argc, argv, &opt,
                             "megamoe-bench [--preset " + preset_names() +
                                 "] [--tokens N] [--save keep|recompute] [--precision bf16|fp8|fp8_bwd] [--iters N] "
-                                "[--warmup N] [--wgrad f32|bf16] [--fp8-weights step|cached] [--json PATH]\n"
+                                "[--warmup N] [--wgrad f32|bf16] [--fp8-weights step|cached] [--scale fp32|pow2] [--json PATH]\n"
                                 "  --fp8-weights step: every forward quantises the weights (one optimizer step per "
                                 "forward + backward); cached: the weights never change, quantised once"))
     return 2;
@@ -46,6 +46,8 @@ int main(int argc, char** argv) {
   Status st = parse_save_policy(opt["save"], &o.save_policy);
   if (!st.ok()) return fail(st);
   st = parse_precision(opt["precision"], &o.precision);
+  if (!st.ok()) return fail(st);
+  st = parse_scale_mode(opt["scale"], &o.fp8_scale_mode);
   if (!st.ok()) return fail(st);
   const int iters = std::atoi(opt["iters"].c_str()), warmup = std::atoi(opt["warmup"].c_str());
   const DType wgrad = opt["wgrad"] == "bf16" ? DType::kBF16 : DType::kF32;
@@ -103,8 +105,8 @@ int main(int argc, char** argv) {
   const double bwd_ms = testing::median_ms(bwd, warmup, iters, nullptr, [&] { rotate(), fwd(); });
   const double both_ms = testing::median_ms([&] { rotate(), fwd(), bwd(); }, warmup, iters, nullptr);
   // The outputs of one more forward + backward on input set 0, hashed (FNV-1a
-  // of the bytes): runs that must agree bit for bit (scripts/device-fp8's
-  // MEGAMOE_FP8_NEXT pair) compare these.
+  // of the bytes): runs that must agree bit for bit (two builds, or a path
+  // and its replacement) compare these.
   cur = 1;
   rotate(), fwd(), bwd();
   if (st.ok()) st = check_device_errors(0, o.cuda_stream);
@@ -125,9 +127,10 @@ int main(int argc, char** argv) {
   const double fp8_gib = static_cast<double>(2 * b.fp8_weights_bytes) / (1 << 30);  // one buffer per set
   const double io_gib = (static_cast<double>(free0 - free1) / (1 << 30) - ws_gib - fp8_gib) / 2;  // one set
   const bool fp8 = b.fp8_weights_bytes > 0;
-  std::printf("megamoe-bench: %s, %lld tokens, %s%s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
+  std::printf("megamoe-bench: %s, %lld tokens, %s%s%s, save %s, wgrad %s (medians of %d after %d warm-ups)\n",
               shape->name, static_cast<long long>(p.num_tokens), to_string(o.precision),
               !fp8 ? "" : weights_cached ? " (weights quantised once, cached)" : " (weights quantised in each forward)",
+              !fp8 ? "" : o.fp8_scale_mode == ScaleMode::kPowerOfTwo ? ", pow2 scales" : ", fp32 scales",
               to_string(o.save_policy), to_string(wgrad), iters, warmup);
   std::printf("%-10s %10s %9s %8s\n", "phase", "ms", "TFLOPS", "%peak");
   std::printf("%-10s %10.3f %9.1f %7.1f%%\n", "forward", fwd_ms, tf_f, 100 * tf_f / kPeakTflops);
@@ -147,11 +150,11 @@ int main(int argc, char** argv) {
                    "{\"preset\": \"%s\", \"tokens\": %lld, \"save\": \"%s\", \"forward_ms\": %.4f, "
                    "\"backward_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"forward_tflops\": %.2f, \"backward_tflops\": %.2f, "
                    "\"fwd_bwd_tflops\": %.2f, \"peak_tflops\": %.1f, \"scratch_bytes\": %zu, \"saved_bytes\": %zu, "
-                   "\"precision\": \"%s\", \"fp8_weights\": \"%s\", \"fp8_weights_bytes\": %zu, "
+                   "\"precision\": \"%s\", \"fp8_weights\": \"%s\", \"fp8_scale\": \"%s\", \"fp8_weights_bytes\": %zu, "
                    "\"digest\": \"%016llx %016llx %016llx %016llx %016llx\"}\n",
                    shape->name, static_cast<long long>(p.num_tokens), to_string(o.save_policy), fwd_ms, bwd_ms,
                    both_ms, tf_f, tf_b, tf_fb, kPeakTflops, b.scratch_bytes, b.saved_bytes, to_string(o.precision),
-                   weights_cached ? "cached" : "step", b.fp8_weights_bytes, static_cast<unsigned long long>(dg[0]),
+                   weights_cached ? "cached" : "step", to_string(o.fp8_scale_mode), b.fp8_weights_bytes, static_cast<unsigned long long>(dg[0]),
                    static_cast<unsigned long long>(dg[1]), static_cast<unsigned long long>(dg[2]),
                    static_cast<unsigned long long>(dg[3]), static_cast<unsigned long long>(dg[4]));
       std::fclose(f);

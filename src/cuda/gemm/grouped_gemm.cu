@@ -576,9 +576,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.dz_q != nullptr &&
       (args.mode != GemmMode::kDownGrad || args.intermediate % 128 != 0 || args.n != args.intermediate ||
        args.dz_s == nullptr ||
-       reinterpret_cast<uintptr_t>(args.dz_q) % 2 != 0 || reinterpret_cast<uintptr_t>(args.dz_s) % 4 != 0))
+       reinterpret_cast<uintptr_t>(args.dz_q) % 8 != 0 || reinterpret_cast<uintptr_t>(args.dz_s) % 4 != 0))
     return invalid_argument("grouped GEMM: dz_q (dz in e4m3 from the epilogue) is for kDownGrad with I a multiple of "
-                            "128, dz_s given, dz_q 2-byte and dz_s 4-byte aligned");
+                            "128, dz_s given, dz_q 8-byte and dz_s 4-byte aligned");
   KernelParams p;
   p.args = args;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.

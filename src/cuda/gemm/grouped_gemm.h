@@ -114,7 +114,7 @@ struct GroupedGemmArgs {
   // kDownGrad, optional: dz also as e4m3 rows, quantised in the epilogue from
   // the bf16 dz it writes (bitwise what quantize_e4m3_rows makes of out0's
   // rows: 1 x 128 tiles, each tile column block's g or u half): dz_q
-  // [a_rows, 2I], dz_s [a_rows, 2I / 128], or [2I / 128, a_rows] with
+  // [a_rows, 2I] (8-byte aligned), dz_s [a_rows, 2I / 128], or [2I / 128, a_rows] with
   // dz_scales_by_k_block. Only the tiles' rows (the pool's used rows) are written.
   uint8_t* dz_q = nullptr;
   float* dz_s = nullptr;

@@ -1,29 +1,10 @@
 #include "cuda/moe/fp8_parts.h"
 
-#include <cstdlib>
-#include <string>
-
 #include "cuda/fp8/quantize.h"
 #include "cuda/moe/layer_kernels.h"
 
 namespace megamoe::cuda::detail {
 namespace {
-
-// Two paths written in session 22 and not yet run on a GPU: the pools' row
-// scales by k-block (the grouped GEMM brings them through its stages,
-// GroupedGemmArgs::a_scales_by_k_block) and dz quantised in kDownGrad's
-// epilogue (GroupedGemmArgs::dz_q) instead of by a pass over the dz pool.
-// Off unless MEGAMOE_FP8_NEXT=1 (read once), so that one GPU call can test and
-// time both forms; a developer switch, to go once they are verified and
-// measured (perf-log). The regions are the same size either way.
-bool fp8_next() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_FP8_NEXT");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
-}
-RowScales pool_scales() { return fp8_next() ? RowScales::kByKBlock : RowScales::kByRow; }
 
 Fp8Scale scale_of(const LayerCall& call) {
   return call.dims.fp8_scale == ScaleMode::kPowerOfTwo ? Fp8Scale::kPowerOfTwo : Fp8Scale::kFloat32;
@@ -33,8 +14,6 @@ Fp8Scale scale_of(const LayerCall& call) {
 void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const uint8_t* b, const float* b_scales) {
   g.fp8 = true;
   g.a = a, g.a_scales = a_scales;
-  // The pools' row scales (kWeightGrad reads the column quantizer's, by k-block already).
-  g.a_scales_by_k_block = g.mode != GemmMode::kWeightGrad && pool_scales() == RowScales::kByKBlock;
   g.b = b, g.b_scales = b_scales;
 }
 
@@ -54,7 +33,7 @@ Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& 
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
   MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(x, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.x_q, f.x_s,
-                                                    nullptr, call.stream, pool_scales()));
+                                                    nullptr, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
   use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
   g.out0 = z_pool, g.out1 = a_pool;
@@ -66,7 +45,7 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream, pool_scales()));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, w2, E * H, I, H);
   use_fp8(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
   g.topk_weights = topk_weights;
@@ -83,23 +62,25 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
   // dy gathered into the pool (bf16: the dW2 operand) and quantised on the way.
   MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.dy_q,
-                                                    f.dy_s, c.xdy_pool, call.stream, pool_scales()));
+                                                    f.dy_s, c.xdy_pool, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
   use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
   gd.b_k_major = true;
   gd.topk_weights = topk_weights;
   gd.z_pool = c.pv.z_pool;
   gd.out0 = c.dz_pool, gd.out1 = c.a_pool, gd.dw_partial = c.dw_partial;
-  if (fp8_next()) {  // dz's e4m3 rows from the epilogue that writes dz
-    gd.dz_q = f.dz_q, gd.dz_s = f.dz_s, gd.dz_scale = sc;
-    gd.dz_scales_by_k_block = pool_scales() == RowScales::kByKBlock;
-  }
+  // dz's e4m3 rows: with power-of-two scales from the epilogue that writes dz
+  // (a multiply per value; at 16384 tokens kDownGrad grows 192 / 478 us at
+  // 30B / 235B, the separate pass it replaces took 315 / 617 us); with fp32
+  // scales by a pass over the dz pool, as the epilogue's division made
+  // kDownGrad 330 / 600 us slower than the pass (perf-log, session 23).
+  const bool dz_in_epilogue = sc == Fp8Scale::kPowerOfTwo;
+  if (dz_in_epilogue) gd.dz_q = f.dz_q, gd.dz_s = f.dz_s, gd.dz_scale = sc;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
   // dx slots = dz @ w13[e]: K = 2I; B = w13[e]^T as [E * H, 2I].
-  if (!fp8_next())
-    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream, pool_scales()));
+  if (!dz_in_epilogue) MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream));
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * H, 2 * I, H);
   use_fp8(gx, f.dz_q, f.dz_s, f.w13_t, f.w13_s);
   gx.b_k_major = true;

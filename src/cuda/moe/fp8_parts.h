@@ -5,8 +5,9 @@
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
 // x and dy are quantised as they are gathered into the pool; a and the
 // weight-gradient operands by separate passes over the pools (not yet fused
-// into the epilogues that produce them); dz by a pass too, or, with
-// MEGAMOE_FP8_NEXT=1 (fp8_parts.cpp), in kDownGrad's epilogue. The e4m3 weights come from the caller's buffer
+// into the epilogues that produce them); dz in kDownGrad's epilogue with
+// power-of-two scales, by a pass with fp32 ones (fp8_parts.cpp says why).
+// The e4m3 weights come from the caller's buffer
 // (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
 // it is not current. Host code; async on the call's stream. The operand
 // regions of GEMM1/2, the data gradients, dW2 and dW13 share one scratch area
