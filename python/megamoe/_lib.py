@@ -14,6 +14,7 @@ from pathlib import Path
 DTYPE_CODES = {"bfloat16": 0, "float32": 1, "float64": 2, "int32": 3}
 PRECISIONS = {"bf16": 0, "fp8": 1, "fp8_bwd": 2, "mxfp8": 3}
 SAVE_POLICIES = {"keep": 0, "recompute": 1}
+FP8_SCALES = {"fp32": 0, "pow2": 1}  # the FP8 block scales: amax / 448, or the power of two above it
 BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
 
 
@@ -29,6 +30,7 @@ class Config(ctypes.Structure):
         ("precision", ctypes.c_int32), ("save_policy", ctypes.c_int32),
         ("validate", ctypes.c_int32), ("accumulate_wgrad", ctypes.c_int32),
         ("device_timeout_ms", ctypes.c_int64),
+        ("fp8_scale", ctypes.c_int32), ("reserved", ctypes.c_int32),
     ]
 
 

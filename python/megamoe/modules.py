@@ -22,11 +22,12 @@ class MegaMoEExperts(nn.Module):
     the most tokens any rank brings to one call (default: agreed at the
     first call). fp8_weight_cache (precision fp8 / fp8_bwd): keep the e4m3
     weights between calls, quantised again once per optimizer step (as
-    megamoe.moe); False keeps nothing and quantises in every call."""
+    megamoe.moe); False keeps nothing and quantises in every call.
+    fp8_scale: the FP8 block scales, "fp32" or "pow2" (as megamoe.moe)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, *, precision: str = "bf16",
                  save: str = "keep", ep_group=None, max_tokens: int | None = None, fp8_weight_cache: bool = True,
-                 device=None, dtype=None):
+                 fp8_scale: str = "fp32", device=None, dtype=None):
         super().__init__()
         world = ep_group.size() if ep_group is not None else 1
         if num_experts % world != 0:
@@ -37,7 +38,7 @@ class MegaMoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.precision, self.save = precision, save
         self._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group, "max_tokens": max_tokens,
-                                "fp8_weight_cache": fp8_weight_cache}
+                                "fp8_weight_cache": fp8_weight_cache, "fp8_scale": fp8_scale}
         if world > 1:
             self.gate_up_proj._megamoe_ep = self.down_proj._megamoe_ep = True
         nn.init.normal_(self.gate_up_proj, std=hidden ** -0.5)
@@ -53,7 +54,8 @@ def megamoe_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_
     cfg = getattr(experts, "_megamoe_config", {})
     return moe(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj,
                precision=cfg.get("precision", "bf16"), save=cfg.get("save", "keep"), group=cfg.get("ep_group"),
-               max_tokens=cfg.get("max_tokens"), fp8_weight_cache=cfg.get("fp8_weight_cache", True))
+               max_tokens=cfg.get("max_tokens"), fp8_weight_cache=cfg.get("fp8_weight_cache", True),
+               fp8_scale=cfg.get("fp8_scale", "fp32"))
 
 
 class MoE(nn.Module):
@@ -62,13 +64,13 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
                  precision: str = "bf16", save: str = "keep", ep_group=None, max_tokens: int | None = None,
-                 fp8_weight_cache: bool = True, device=None, dtype=None):
+                 fp8_weight_cache: bool = True, fp8_scale: str = "fp32", device=None, dtype=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)  # over all experts
         self.experts = MegaMoEExperts(num_experts, hidden, intermediate, top_k, precision=precision, save=save,
                                       ep_group=ep_group, max_tokens=max_tokens, fp8_weight_cache=fp8_weight_cache,
-                                      device=device, dtype=dtype)
+                                      fp8_scale=fp8_scale, device=device, dtype=dtype)
 
     def route(self, h: torch.Tensor):
         probs = F.softmax(self.gate(h).float(), dim=-1)
@@ -85,7 +87,7 @@ class MoE(nn.Module):
 
 
 def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str = "keep", ep_group=None,
-                        max_tokens: int | None = None, fp8_weight_cache: bool = True) -> int:
+                        max_tokens: int | None = None, fp8_weight_cache: bool = True, fp8_scale: str = "fp32") -> int:
     """Makes every Hugging Face MoE experts module of `model` (transformers v5
     layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], e.g. Qwen3MoeExperts)
     run on megamoe. Parameters, their names and layouts are untouched, so
@@ -96,7 +98,7 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
     new [E/P, ...] tensors tagged `_megamoe_ep`: load the full checkpoint
     first, then shard, then build the optimizer and DDP / FSDP (leaving the
     tagged parameters out of them); a state_dict then holds this rank's
-    experts under the full names. max_tokens, fp8_weight_cache: as MegaMoEExperts."""
+    experts under the full names. max_tokens, fp8_weight_cache, fp8_scale: as MegaMoEExperts."""
     world = ep_group.size() if ep_group is not None else 1
     rank = ep_group.rank() if ep_group is not None else 0
     count = 0
@@ -118,7 +120,8 @@ def use_megamoe_experts(model: nn.Module, *, precision: str = "bf16", save: str 
                 module.down_proj = nn.Parameter(dp[local].clone(), requires_grad=dp.requires_grad)
             module.gate_up_proj._megamoe_ep = module.down_proj._megamoe_ep = True
         module._megamoe_config = {"precision": precision, "save": save, "ep_group": ep_group if world > 1 else None,
-                                  "max_tokens": max_tokens, "fp8_weight_cache": fp8_weight_cache}
+                                  "max_tokens": max_tokens, "fp8_weight_cache": fp8_weight_cache,
+                                  "fp8_scale": fp8_scale}
         module.forward = _bound_forward(module)
         count += 1
     if count == 0:

@@ -64,9 +64,20 @@ def saved_bytes(T, H: int, I: int, E: int, k: int):
     return _align(offset)
 
 
-def _config(H: int, I: int, E: int, k: int, precision: str, save: str, validate: bool) -> _lib.Config:
-    return _lib.Config(H, I, E, k, 0, 1, _lib.PRECISIONS[precision], _lib.SAVE_POLICIES[save],
-                       1 if validate else 0, 0, 0)
+# The ops below take the numerics as one `recipe` string: the precision, and for
+# FP8 with power-of-two block scales "/pow2" after it ("fp8/pow2"), so that the
+# op schemas and the FP8 weight cache's key carry the scale mode with it.
+def _recipe(precision: str, fp8_scale: str) -> str:
+    return f"{precision}/pow2" if fp8_scale == "pow2" and precision in ("fp8", "fp8_bwd") else precision
+
+
+def _precision(recipe: str) -> str:
+    return recipe.split("/")[0]
+
+
+def _config(H: int, I: int, E: int, k: int, recipe: str, save: str, validate: bool) -> _lib.Config:
+    return _lib.Config(H, I, E, k, 0, 1, _lib.PRECISIONS[_precision(recipe)], _lib.SAVE_POLICIES[save],
+                       1 if validate else 0, 0, 0, _lib.FP8_SCALES["pow2" if recipe.endswith("/pow2") else "fp32"], 0)
 
 
 def buffer_sizes(T: int, H: int, I: int, E: int, k: int, *, precision: str = "bf16", save: str = "keep",
@@ -190,7 +201,7 @@ def _filled_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, w13c: torch.Tensor,
 
 def _fp8_bytes(w13: torch.Tensor, precision: str) -> int:
     """FP8 weight bytes of a layer with w13 [E, 2I, H] (weight shapes: static under torch.compile)."""
-    if precision not in ("fp8", "fp8_bwd"):
+    if _precision(precision) not in ("fp8", "fp8_bwd"):
         return 0
     E, I2, H = (int(d) for d in w13.shape)
     return fp8_weight_bytes(H, I2 // 2, E, 1, precision)
@@ -418,7 +429,7 @@ def _check_dtypes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         *, precision: str = "bf16", save: str = "keep", group=None, max_tokens: int | None = None,
-        validate: bool = False, fp8_weight_cache: bool = True) -> torch.Tensor:
+        validate: bool = False, fp8_weight_cache: bool = True, fp8_scale: str = "fp32") -> torch.Tensor:
     """Mixture-of-experts layer: y[t] = sum_j topk_weights[t,j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t].
 
     Dtypes: x bfloat16 (CUDA; CPU too, emulating the GPU's rounding) or float32 / float64 (CPU: exact fp64
@@ -436,8 +447,12 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     in megamoe/ops.py); False: quantise them in every forward and backward and
     keep nothing. Not kept (as False) under torch.compile and for inference
     tensors; under CUDA graph capture the quantisation is captured.
+    fp8_scale (fp8 / fp8_bwd): the block scales, "fp32" (amax / 448) or "pow2"
+    (the power of two at or above it; then kDownGrad's epilogue quantises dz,
+    without a pass over it).
     """
-    for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES)):
+    for name, value, table in (("precision", precision, _lib.PRECISIONS), ("save", save, _lib.SAVE_POLICIES),
+                               ("fp8_scale", fp8_scale, _lib.FP8_SCALES)):
         if value not in table:
             raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
     _check_shapes(x, topk_idx, topk_weights, w13, w2)
@@ -455,9 +470,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     w13c, w2c = w13.to(compute), w2.to(compute)
     fp8_weights, fp8_kept = x.new_empty(0, dtype=torch.uint8), False
     # fp8 reads the FP8 weights in the forward; fp8_bwd only in its backward (filled here if kept).
+    recipe = _recipe(precision, fp8_scale)
     if x.is_cuda and (precision == "fp8" or (precision == "fp8_bwd" and fp8_weight_cache and needs_grad)):
-        fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, precision,
-                                                    _fp8_bytes(w13, precision), fp8_weight_cache)
+        fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, recipe,
+                                                    _fp8_bytes(w13, recipe), fp8_weight_cache)
     y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13c, w2c, fp8_weights, fp8_kept,
-                   precision, needs_grad and save == "keep", validate)
+                   recipe, needs_grad and save == "keep", validate)
     return y.to(orig)

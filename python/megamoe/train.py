@@ -60,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     dispatch: str = "mega_moe"
     precision: str = "bf16"
+    fp8_scale: str = "fp32"
     data: str = "synthetic"
     log_every: int = 1
     ep: int = 1
@@ -104,6 +105,8 @@ KEYS = (
     Key("trainer", "log_every", "log_every", int, "print every N steps (and the last)", minimum=1),
     Key("trainer.model.moe.dispatch", "type", "dispatch", str, "MoE experts implementation", choices=DISPATCH_TYPES),
     Key("trainer.model.moe.dispatch", "precision", "precision", str, "mega_moe numerics", choices=PRECISIONS),
+    Key("trainer.model.moe.dispatch", "fp8_scale", "fp8_scale", str,
+        "FP8 block scales (fp8, fp8_bwd): amax / 448, or the power of two above it", choices=("fp32", "pow2")),
     Key("trainer.model.moe.dispatch", "ep", "ep", int, "expert-parallel ranks (torchrun processes, one GPU each)",
         minimum=1),
     Key("data", "path", "data", str, '"synthetic", or a UTF-8 text file (at least seq_len + 2 bytes)'),
@@ -206,6 +209,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dispatch != "mega_moe" and cfg.precision != "bf16":
         raise ConfigError(f"trainer.model.moe.dispatch.precision = {cfg.precision!r} needs type = 'mega_moe' "
                           f"(the {cfg.dispatch} baseline is bf16 only)")
+    if cfg.fp8_scale != "fp32" and cfg.precision not in ("fp8", "fp8_bwd"):
+        raise ConfigError(f"trainer.model.moe.dispatch.fp8_scale = {cfg.fp8_scale!r} needs precision = 'fp8' or "
+                          f"'fp8_bwd' (precision is {cfg.precision!r})")
     if cfg.dispatch == "mega_moe" and device.type == "cuda":
         if cfg.precision == "mxfp8":
             raise ConfigError("trainer.model.moe.dispatch.precision = 'mxfp8' needs Blackwell tensor cores; "
@@ -280,7 +286,8 @@ def build_model(cfg: TrainConfig, device: torch.device, ep_group=None):
         model = Qwen3MoeForCausalLM(mcfg).to(dtype)
     if cfg.dispatch == "mega_moe":  # every rank built the same weights: each keeps its experts
         per_rank = cfg.batch_size // cfg.ep * cfg.seq_len if ep_group is not None else None
-        use_megamoe_experts(model, precision=cfg.precision, ep_group=ep_group, max_tokens=per_rank)
+        use_megamoe_experts(model, precision=cfg.precision, fp8_scale=cfg.fp8_scale, ep_group=ep_group,
+                            max_tokens=per_rank)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -345,7 +352,8 @@ def train(cfg: TrainConfig, out=None) -> list[dict]:
     it = batches(data, cfg, device, rank, world)
     history = []
     tokens = cfg.batch_size * cfg.seq_len // world  # this rank's share of the step
-    print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({cfg.precision}), "
+    print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({cfg.precision}"
+          f"{', pow2 scales' if cfg.fp8_scale == 'pow2' else ''}), "
           f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}",
           file=out)
     for step in range(1, cfg.steps + 1):

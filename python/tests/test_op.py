@@ -169,6 +169,31 @@ def test_bad_inputs_give_clear_errors():
         megamoe.moe(x, idx, w, w13, w2.transpose(0, 1))
     with pytest.raises(ValueError, match="precision='fp16'"):
         megamoe.moe(x, idx, w, w13, w2, precision="fp16")
+    with pytest.raises(ValueError, match=r"fp8_scale='e8m0' is not one of \['fp32', 'pow2'\]"):
+        megamoe.moe(x, idx, w, w13, w2, precision="fp8", fp8_scale="e8m0")
+
+
+def test_fp8_scale_reaches_the_library():
+    """fp8_scale picks the block scales of the library's FP8 recipe (here the CPU reference's emulation):
+    pow2 and fp32 scales round differently, both stay within FP8's error of bf16; a bad value in the C
+    struct is refused by the library, naming the field."""
+    import ctypes
+    from megamoe import _lib, ops
+    x, idx, w, w13, w2 = random_inputs(T=6, dtype=torch.bfloat16)
+    bf16 = megamoe.moe(x, idx, w, w13, w2).double()
+    ys = {s: megamoe.moe(x, idx, w, w13, w2, precision="fp8", fp8_scale=s).double() for s in ("fp32", "pow2")}
+    assert not torch.equal(ys["fp32"], ys["pow2"])
+    for s, y in ys.items():
+        err = (y - bf16).norm() / bf16.norm()
+        assert 0 < err < 0.1, (s, err)
+    assert torch.equal(megamoe.moe(x, idx, w, w13, w2, fp8_scale="pow2"), bf16.to(torch.bfloat16))  # bf16: no FP8
+    cfg = ops._config(128, 128, 4, 2, "fp8/pow2", "keep", False)
+    assert (cfg.precision, cfg.fp8_scale) == (_lib.PRECISIONS["fp8"], _lib.FP8_SCALES["pow2"])
+    cfg.fp8_scale = 2
+    scratch, saved = ctypes.c_uint64(), ctypes.c_uint64()
+    with pytest.raises(megamoe.MegaMoEError, match=r"fp8_scale: expected 0 \(fp32\) or 1 \(pow2\), got 2"):
+        _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
+                                                   ctypes.byref(saved)))
 
 
 @cuda_only
@@ -429,8 +454,9 @@ def test_modules_pass_the_fp8_weight_cache_choice_through(monkeypatch):
     import megamoe.modules as modules
     seen = []
     monkeypatch.setattr(modules, "moe", lambda *a, **kw: (seen.append(kw), a[0])[1])
-    layer = megamoe.MoE(64, 32, 4, 2, precision="fp8", fp8_weight_cache=False)
+    layer = megamoe.MoE(64, 32, 4, 2, precision="fp8", fp8_weight_cache=False, fp8_scale="pow2")
     layer(torch.randn(3, 64))
     assert seen[-1]["precision"] == "fp8" and seen[-1]["fp8_weight_cache"] is False
+    assert seen[-1]["fp8_scale"] == "pow2"
     megamoe.MoE(64, 32, 4, 2)(torch.randn(3, 64))
-    assert seen[-1]["fp8_weight_cache"] is True  # the default: kept
+    assert seen[-1]["fp8_weight_cache"] is True and seen[-1]["fp8_scale"] == "fp32"  # the defaults

@@ -44,6 +44,10 @@ CASES = [
     ({"trainer": {"dtype": '"fp16"'}}, "", r"trainer.dtype = 'fp16': expected one of 'float32' \| 'bfloat16'"),
     ({}, "data = 3\n", r"data: expected a table \(\[data\]\), got 3"),
     ({"data": {"path": '"/nonexistent/corpus.txt"'}}, "", r"data.path = '/nonexistent/corpus.txt': No such file"),
+    ({"trainer.model.moe.dispatch": {"fp8_scale": '"e8m0"'}}, "",
+     r"trainer.model.moe.dispatch.fp8_scale = 'e8m0': expected one of 'fp32' \| 'pow2'"),
+    ({"trainer.model.moe.dispatch": {"fp8_scale": '"pow2"'}}, "",
+     r"trainer.model.moe.dispatch.fp8_scale = 'pow2' needs precision = 'fp8' or 'fp8_bwd' \(precision is 'bf16'\)"),
 ]
 
 
@@ -84,6 +88,10 @@ def test_values_keep_their_types(tmp_path):
     cfg = train.load_config(write(tmp_path, toml({"trainer": {"activation_checkpointing": "true"}})))
     assert cfg.activation_checkpointing is True
     assert math.isclose(cfg.lr, 3e-3)
+    assert cfg.fp8_scale == "fp32"  # the default
+    cfg = train.load_config(write(tmp_path, toml({"trainer.model.moe.dispatch": {"precision": '"fp8"',
+                                                                                  "fp8_scale": '"pow2"'}})))
+    assert cfg.precision == "fp8" and cfg.fp8_scale == "pow2"
 
 
 def test_help_lists_every_key_with_its_default(capsys):

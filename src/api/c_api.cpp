@@ -43,6 +43,8 @@ Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProbl
   if (c->save_policy < 0 || c->save_policy > 1)
     return invalid_argument("save_policy: expected 0 (keep) or 1 (recompute), got " + std::to_string(c->save_policy));
   if (c->device_timeout_ms < 0) return invalid_argument("device_timeout_ms: must be >= 0 (0 = default)");
+  if (c->fp8_scale < 0 || c->fp8_scale > 1)
+    return invalid_argument("fp8_scale: expected 0 (fp32) or 1 (pow2), got " + std::to_string(c->fp8_scale));
   static const Precision kPrecisions[] = {Precision::kBF16, Precision::kFP8, Precision::kFP8Bwd, Precision::kMXFP8};
   p->hidden = c->hidden;
   p->intermediate = c->intermediate;
@@ -57,6 +59,7 @@ Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProbl
   o->backend = Backend::kAuto;  // follows the tensors
   o->validate = c->validate != 0;
   o->accumulate_weight_grads = c->accumulate_wgrad != 0;
+  o->fp8_scale_mode = c->fp8_scale == 0 ? ScaleMode::kFloat32 : ScaleMode::kPowerOfTwo;
   if (c->device_timeout_ms > 0) o->device_timeout_ms = c->device_timeout_ms;
   return validate_problem(*p);
 }
