@@ -68,7 +68,7 @@ def saved_bytes(T, H: int, I: int, E: int, k: int):
 # FP8 with power-of-two block scales "/pow2" after it ("fp8/pow2"), so that the
 # op schemas and the FP8 weight cache's key carry the scale mode with it.
 def _recipe(precision: str, fp8_scale: str) -> str:
-    return f"{precision}/pow2" if fp8_scale == "pow2" and precision in ("fp8", "fp8_bwd") else precision
+    return f"{precision}/pow2" if fp8_scale == "pow2" else precision
 
 
 def _precision(recipe: str) -> str:
@@ -76,8 +76,12 @@ def _precision(recipe: str) -> str:
 
 
 def _config(H: int, I: int, E: int, k: int, recipe: str, save: str, validate: bool) -> _lib.Config:
-    return _lib.Config(H, I, E, k, 0, 1, _lib.PRECISIONS[_precision(recipe)], _lib.SAVE_POLICIES[save],
-                       1 if validate else 0, 0, 0, _lib.FP8_SCALES["pow2" if recipe.endswith("/pow2") else "fp32"], 0)
+    precision, _, scale = recipe.partition("/")
+    if precision not in _lib.PRECISIONS or scale not in ("", "pow2") or (scale and precision not in ("fp8", "fp8_bwd")):
+        raise ValueError(f"megamoe: recipe {recipe!r}: expected a precision of {sorted(_lib.PRECISIONS)}, "
+                         "fp8 and fp8_bwd optionally followed by '/pow2'")
+    return _lib.Config(H, I, E, k, 0, 1, _lib.PRECISIONS[precision], _lib.SAVE_POLICIES[save],
+                       1 if validate else 0, 0, 0, _lib.FP8_SCALES["pow2" if scale else "fp32"], 0)
 
 
 def buffer_sizes(T: int, H: int, I: int, E: int, k: int, *, precision: str = "bf16", save: str = "keep",
@@ -455,6 +459,8 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
                                ("fp8_scale", fp8_scale, _lib.FP8_SCALES)):
         if value not in table:
             raise ValueError(f"megamoe: {name}={value!r} is not one of {sorted(table)}")
+    if fp8_scale != "fp32" and precision not in ("fp8", "fp8_bwd"):
+        raise ValueError(f"megamoe: fp8_scale={fp8_scale!r} needs precision 'fp8' or 'fp8_bwd' (got {precision!r})")
     _check_shapes(x, topk_idx, topk_weights, w13, w2)
     _check_dtypes(x, topk_idx, topk_weights, w13, w2)
     if group is not None and getattr(group, "size", lambda: 1)() != 1:

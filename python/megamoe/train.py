@@ -200,6 +200,11 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def _numerics(cfg: TrainConfig) -> str:
+    """The precision as the trainer prints it, with the FP8 scales when they are not the default."""
+    return cfg.precision + (", pow2 scales" if cfg.fp8_scale == "pow2" else "")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks every value against its key (an integer lr becomes a float) and rejects unsupported
     combinations at start-up, naming the option."""
@@ -352,8 +357,7 @@ def train(cfg: TrainConfig, out=None) -> list[dict]:
     it = batches(data, cfg, device, rank, world)
     history = []
     tokens = cfg.batch_size * cfg.seq_len // world  # this rank's share of the step
-    print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({cfg.precision}"
-          f"{', pow2 scales' if cfg.fp8_scale == 'pow2' else ''}), "
+    print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({_numerics(cfg)}), "
           f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}",
           file=out)
     for step in range(1, cfg.steps + 1):
@@ -379,7 +383,7 @@ def summary(cfg: TrainConfig, history: list[dict], device: torch.device) -> str:
     """One line at the end of a run: what ran, where the loss went, the median step."""
     ms = statistics.median(h["step_ms"] for h in history)
     line = (f"megamoe.train: done: {len(history)} steps of {cfg.preset} x {cfg.num_layers} layers, dispatch "
-            f"{cfg.dispatch} ({cfg.precision}) on {device}; loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
+            f"{cfg.dispatch} ({_numerics(cfg)}) on {device}; loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; "
             f"median step {ms:.1f} ms, {cfg.batch_size * cfg.seq_len / cfg.ep / (ms / 1e3):.0f} tok/s"
             + (f" per GPU ({cfg.ep} GPUs, expert-parallel)" if cfg.ep > 1 else ""))
     if device.type == "cuda":

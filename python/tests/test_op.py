@@ -186,12 +186,19 @@ def test_fp8_scale_reaches_the_library():
     for s, y in ys.items():
         err = (y - bf16).norm() / bf16.norm()
         assert 0 < err < 0.1, (s, err)
-    assert torch.equal(megamoe.moe(x, idx, w, w13, w2, fp8_scale="pow2"), bf16.to(torch.bfloat16))  # bf16: no FP8
+    with pytest.raises(ValueError, match="fp8_scale='pow2' needs precision 'fp8' or 'fp8_bwd' \\(got 'bf16'\\)"):
+        megamoe.moe(x, idx, w, w13, w2, fp8_scale="pow2")
+    with pytest.raises(ValueError, match="recipe 'bf16/pow2'"):
+        ops.fp8_weight_bytes(128, 128, 4, 2, "bf16/pow2")
     cfg = ops._config(128, 128, 4, 2, "fp8/pow2", "keep", False)
     assert (cfg.precision, cfg.fp8_scale) == (_lib.PRECISIONS["fp8"], _lib.FP8_SCALES["pow2"])
     cfg.fp8_scale = 2
     scratch, saved = ctypes.c_uint64(), ctypes.c_uint64()
     with pytest.raises(megamoe.MegaMoEError, match=r"fp8_scale: expected 0 \(fp32\) or 1 \(pow2\), got 2"):
+        _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
+                                                   ctypes.byref(saved)))
+    cfg.fp8_scale, cfg.reserved = 1, 7
+    with pytest.raises(megamoe.MegaMoEError, match=r"reserved: must be 0, got 7"):
         _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
                                                    ctypes.byref(saved)))
 

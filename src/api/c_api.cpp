@@ -45,6 +45,7 @@ Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProbl
   if (c->device_timeout_ms < 0) return invalid_argument("device_timeout_ms: must be >= 0 (0 = default)");
   if (c->fp8_scale < 0 || c->fp8_scale > 1)
     return invalid_argument("fp8_scale: expected 0 (fp32) or 1 (pow2), got " + std::to_string(c->fp8_scale));
+  if (c->reserved != 0) return invalid_argument("reserved: must be 0, got " + std::to_string(c->reserved));
   static const Precision kPrecisions[] = {Precision::kBF16, Precision::kFP8, Precision::kFP8Bwd, Precision::kMXFP8};
   p->hidden = c->hidden;
   p->intermediate = c->intermediate;

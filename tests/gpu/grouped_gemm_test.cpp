@@ -706,6 +706,10 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   other.dz_q = static_cast<uint8_t*>(spare_q.view().data), other.dz_s = static_cast<float*>(spare_s.view().data);
   const Status not_down_grad = cuda::launch_grouped_gemm(other, sms, nullptr);
   EXPECT_NE(not_down_grad.to_string().find("dz_q"), std::string::npos) << not_down_grad.to_string();
+  cuda::GroupedGemmArgs unaligned = g;  // the epilogue stores 8 bytes at a time
+  unaligned.dz_q = static_cast<uint8_t*>(spare_q.view().data) + 4, unaligned.dz_s = static_cast<float*>(spare_s.view().data);
+  const Status misaligned = cuda::launch_grouped_gemm(unaligned, sms, nullptr);
+  EXPECT_NE(misaligned.to_string().find("dz_q 8-byte"), std::string::npos) << misaligned.to_string();
 }
 
 TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
