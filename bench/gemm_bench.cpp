@@ -318,6 +318,11 @@ int main(int argc, char** argv) {
   rows.push_back({"quantize x cols_t",
                   median_ms([&] { CHECK_OK(cuda::quantize_e4m3_cols_t(x, C, H, kScale, xq_t, xs_t, nullptr)); },
                             warmup, iters), 0});
+  // The layer's dW13 operand x^T since session 23: gathered and quantised in one pass (the two rows above before).
+  rows.push_back({"gather+quantize x cols_t", median_ms([&] {
+                    CHECK_OK(cuda::gather_quantize_e4m3_cols_t(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
+                                                               xq_t, xs_t, nullptr));
+                  }, warmup, iters), 0});
   rows.push_back({"quantize dz pool",
                   median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(dz, C, 2 * I, kScale, qdz, sdz, nullptr)); },
                             warmup, iters), 0});

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -144,6 +145,18 @@ TEST_P(Fp8Quantize, ManyRowTilesStrideOverTheGrid) {
   expect_row_tiles_match(2731, 4096 + 128, GetParam(), kind());
 }
 
+// Pool rows' sources for `used` of `capacity` rows: routes of T * k, one in
+// `pad_every` a padding row (-1); the rows past `used` are -1 too.
+std::vector<int32_t> random_row_src(int64_t capacity, int32_t used, int64_t routes, uint32_t seed, uint32_t pad_every) {
+  std::vector<int32_t> row_src(static_cast<size_t>(capacity), -1);
+  uint32_t state = seed;
+  for (int32_t r = 0; r < used; ++r) {
+    state = state * 1664525u + 1013904223u;
+    row_src[static_cast<size_t>(r)] = (state >> 8) % pad_every == 0 ? -1 : static_cast<int32_t>((state >> 8) % routes);
+  }
+  return row_src;
+}
+
 // The row quantizer fused with the pool gather: for the pool's used rows, the
 // same bytes and scales as gather_rows followed by quantize_e4m3_rows (whose
 // own match with the reference is above), the same bf16 pool when asked for,
@@ -151,12 +164,7 @@ TEST_P(Fp8Quantize, ManyRowTilesStrideOverTheGrid) {
 void expect_gather_matches(int64_t T, int64_t cols, int k, int64_t capacity, int32_t used, cuda::Fp8Scale gpu_kind) {
   const int64_t tiles = cols / 128;
   const std::vector<uint16_t> x = make_data(T * cols, 128, 5);
-  std::vector<int32_t> row_src(static_cast<size_t>(capacity), -1);
-  uint32_t state = 7;
-  for (int32_t r = 0; r < used; ++r) {
-    state = state * 1664525u + 1013904223u;
-    row_src[static_cast<size_t>(r)] = (state >> 8) % 5 == 0 ? -1 : static_cast<int32_t>((state >> 8) % (T * k));
-  }
+  const std::vector<int32_t> row_src = random_row_src(capacity, used, T * k, 7, 5);
   Dev<uint16_t> dx(x.size()), pool_ref(static_cast<size_t>(capacity * cols)), pool(static_cast<size_t>(capacity * cols));
   Dev<int32_t> dsrc(row_src.size()), dused(1);
   Dev<uint8_t> q_ref(static_cast<size_t>(capacity * cols)), q(static_cast<size_t>(capacity * cols));
@@ -313,6 +321,62 @@ TEST_P(Fp8Quantize, ColumnTilesTransposedMatchTheReferenceBitwise) {
   EXPECT_TRUE(std::isinf(s[static_cast<size_t>(2 * cols + 200)])) << "the inf tile's scale";
 }
 
+// The column quantizer fused with the pool gather: for the pool's used row
+// blocks, the same bytes and scales as gather_rows followed by
+// quantize_e4m3_cols_t (matched with the reference above); nothing written
+// for the row blocks past the used rows. Padding rows (row_src -1) are zeros.
+void expect_gather_cols_t_matches(int64_t T, int64_t cols, int k, int64_t capacity, int32_t used,
+                                  cuda::Fp8Scale gpu_kind) {
+  const std::vector<uint16_t> x = make_data(T * cols, 128, 23);
+  const std::vector<int32_t> row_src = random_row_src(capacity, used, T * k, 11, 7);
+  const size_t all = static_cast<size_t>(capacity * cols), n = static_cast<size_t>(used * cols);
+  const size_t n_ref = std::max<size_t>(n, 1);  // (used = 0: no reference pass, a 1-element placeholder)
+  Dev<uint16_t> dx(x.size()), pool(n_ref);
+  Dev<int32_t> dsrc(row_src.size()), dused(1);
+  Dev<uint8_t> q_ref(n_ref), q(all);
+  Dev<float> s_ref(std::max<size_t>(static_cast<size_t>(used / 128 * cols), 1)), s(static_cast<size_t>(capacity / 128 * cols));
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dsrc.p, row_src.data(), row_src.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dused.p, &used, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(q.p, 0xAB, all), cudaSuccess);  // past `used`: must stay
+  ASSERT_EQ(cudaMemset(s.p, 0xAB, static_cast<size_t>(capacity / 128 * cols) * 4), cudaSuccess);
+  if (used > 0) {
+    MEGAMOE_ASSERT_OK(cuda::gather_rows(dx.p, cols, dsrc.p, k, dused.p, used, pool.p, nullptr));
+    MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_cols_t(pool.p, used, cols, gpu_kind, q_ref.p, s_ref.p, nullptr));
+  }
+  MEGAMOE_ASSERT_OK(
+      cuda::gather_quantize_e4m3_cols_t(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q.p, s.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto qg = q.get(all), qr = q_ref.get(n);  // q_t [cols, capacity] against [cols, used]
+  const auto sg = s.get(static_cast<size_t>(capacity / 128 * cols));
+  const auto sr = s_ref.get(static_cast<size_t>(used / 128 * cols));
+  int64_t q_differ = 0, s_differ = 0, written_past = 0;
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < capacity; ++r) {
+      const uint8_t got = qg[static_cast<size_t>(c * capacity + r)];
+      if (r < used)
+        q_differ += got != qr[static_cast<size_t>(c * used + r)];
+      else
+        written_past += got != 0xAB;
+    }
+  for (size_t i = 0; i < sg.size(); ++i) {
+    if (i < sr.size())
+      s_differ += float_bits(sg[i]) != float_bits(sr[i]);
+    else
+      written_past += float_bits(sg[i]) != 0xABABABABu;
+  }
+  EXPECT_EQ(q_differ, 0);
+  EXPECT_EQ(s_differ, 0);
+  EXPECT_EQ(written_past, 0) << "written for the row blocks past the used rows";
+}
+
+TEST_P(Fp8Quantize, GatheredColumnTilesAreTheGatheredPoolQuantised) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_gather_cols_t_matches(300, 384, 3, 1024, 896, kind());
+  expect_gather_cols_t_matches(2000, 2048, 8, 9088, 8832, kind());
+  expect_gather_cols_t_matches(50, 256, 2, 256, 0, kind());  // no used rows: nothing written
+}
+
 std::string scale_name(const ::testing::TestParamInfo<ScaleKind>& p) {
   return p.param == ScaleKind::kFloat32 ? "fp32" : "pow2";
 }
@@ -336,6 +400,13 @@ TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
   EXPECT_NE(misaligned.message().find("x must be 16-byte"), std::string::npos) << misaligned.message();
   const Status cols_t = cuda::quantize_e4m3_cols_t(&x, 100, 128, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
   EXPECT_NE(cols_t.message().find("rows = 100"), std::string::npos) << cols_t.message();
+  const int32_t src = 0, used = 0;
+  const Status gather_cols_t =
+      cuda::gather_quantize_e4m3_cols_t(&x, 128, &src, 1, &used, 200, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
+  EXPECT_NE(gather_cols_t.message().find("rows = 200"), std::string::npos) << gather_cols_t.message();
+  const Status no_k =
+      cuda::gather_quantize_e4m3_cols_t(&x, 128, &src, 0, &used, 128, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
+  EXPECT_NE(no_k.message().find("top_k = 0"), std::string::npos) << no_k.message();
 }
 
 }  // namespace

@@ -641,7 +641,24 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
 
   // dz in e4m3 from the epilogue (dz_q): bitwise what the row quantizer makes
   // of the bf16 dz the same call writes, scales by row and by k-block, and
-  // the epilogue's other outputs unchanged.
+  // the epilogue's other outputs unchanged. Four rows of the saved z first
+  // get values the recipe must survive: u = inf in one column (that dz_g
+  // group's amax and scale are inf: pow2's reciprocal is 0), g = inf (NaN in
+  // the row), every z 1e30 (huge dz), every z 1e-37 (dz near the bottom of
+  // the normal range: the fp32 scale clamps to FLT_MIN).
+  {
+    const uint16_t kInf = 0x7F80, kHuge = 0x714A, kTiny = 0x0208;  // bf16 bits
+    std::vector<uint16_t> row(static_cast<size_t>(2 * I));
+    auto* z_bits = static_cast<uint16_t*>(z.dev.view().data);
+    for (int64_t r = 0; r < 4; ++r) {
+      ASSERT_EQ(cudaMemcpy(row.data(), z_bits + r * 2 * I, row.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (r == 0) row[static_cast<size_t>(I + 5)] = kInf;
+      if (r == 1) row[7] = kInf;
+      if (r >= 2) std::fill(row.begin(), row.end(), r == 2 ? kHuge : kTiny);
+      ASSERT_EQ(cudaMemcpy(z_bits + r * 2 * I, row.data(), row.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    run(g);  // dz8 (and wa8, the partials) again, from the changed z
+  }
   const size_t dz_bytes = static_cast<size_t>(pool_rows * 2 * I * 2);
   std::vector<uint8_t> dz_before(dz_bytes);
   ASSERT_EQ(cudaMemcpy(dz_before.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);

@@ -134,6 +134,33 @@ __device__ __forceinline__ void load_rows_8x8(const __nv_bfloat16* src, int64_t 
   for (int i = 0; i < 8; ++i) raw[i] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r0 + i) * cols + c8);
 }
 
+// Where the column quantizer's 128 x 128 tile (tr, tc) comes from: the rows
+// of x (TileRows), or pool rows gathered from x as gather_rows makes them
+// (TileGather: pool row r is x row row_src[r] / k, zeros where row_src[r] <
+// 0; the row blocks from *pool_rows on are skipped, not written).
+struct TileRows {
+  const __nv_bfloat16* x;
+  __device__ bool skip(int64_t) const { return false; }
+  __device__ void load(int64_t tr, int64_t tc, int64_t cols, int r0, int c8, uint4 (&raw)[8]) const {
+    load_rows_8x8(x + tr * kTile * cols + tc * kTile, cols, r0, c8, raw);
+  }
+};
+struct TileGather {
+  const __nv_bfloat16* x;
+  const int32_t* row_src;
+  const int32_t* pool_rows;
+  int k;
+  __device__ bool skip(int64_t tr) const { return tr * kTile >= *pool_rows; }
+  __device__ void load(int64_t tr, int64_t tc, int64_t cols, int r0, int c8, uint4 (&raw)[8]) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int32_t s = row_src[tr * kTile + r0 + i];
+      raw[i] = s < 0 ? make_uint4(0, 0, 0, 0)
+                     : __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s / k) * cols + tc * kTile + c8));
+    }
+  }
+};
+
 // Once every thread has stored its bytes into the transposed tile: its rows
 // (the tile's columns) to dst, row c at dst + c * pitch, 16 threads per row.
 __device__ __forceinline__ void store_transposed_tile(const uint8_t (&tile_t)[kTile][kTransposePitch], uint8_t* dst,
@@ -204,17 +231,18 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
 // are 8 consecutive bytes of the transposed tile (one 8-byte shared store;
 // the byte-wide form ran at ~1 TB/s), read back 8 bytes at a time so that
 // the q_t rows (x's columns) are stored contiguously.
-__global__ void __launch_bounds__(256) quantize_cols_t_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols,
+template <typename Source>
+__global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, int64_t rows, int64_t cols,
                                                               Fp8Scale kind, uint8_t* q_t, float* scales) {
   __shared__ float partial[16][kTile];  // [row group][column]
   __shared__ float col_scale[kTile];
   __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
   const int64_t tiles_c = cols / kTile;
   const int64_t tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
-  const __nv_bfloat16* src = x + tr * kTile * cols + tc * kTile;
+  if (src.skip(tr)) return;  // the whole block: no barrier is left waiting
   const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
   uint4 raw[8];
-  load_rows_8x8(src, cols, r0, c8, raw);
+  src.load(tr, tc, cols, r0, c8, raw);
   // Column amaxes over this thread's 8 rows, on bf16 pairs (exact; NaN propagates).
   __nv_bfloat162 m[4];
 #pragma unroll
@@ -350,9 +378,25 @@ Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale 
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
   const int64_t tiles = (rows / kTile) * (cols / kTile);
-  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows,
-                                                                           cols, scale, q_t, scales);
+  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
+      TileRows{static_cast<const __nv_bfloat16*>(x)}, rows, cols, scale, q_t, scales);
   return cuda_status("fp8 column quantizer", cudaGetLastError());
+}
+
+Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t* row_src, int top_k,
+                                   const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q_t,
+                                   float* scales, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 gathering column quantizer", capacity, cols));
+  if (top_k <= 0) return invalid_argument("fp8 gathering column quantizer: top_k = " + std::to_string(top_k));
+  if (src == nullptr || row_src == nullptr || pool_rows == nullptr || q_t == nullptr || scales == nullptr)
+    return invalid_argument("fp8 gathering column quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
+    return invalid_argument("fp8 gathering column quantizer: src must be 16-byte and q_t 8-byte aligned");
+  const int64_t tiles = (capacity / kTile) * (cols / kTile);
+  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
+      TileGather{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k}, capacity, cols, scale, q_t,
+      scales);
+  return cuda_status("fp8 gathering column quantizer", cudaGetLastError());
 }
 
 }  // namespace megamoe::cuda

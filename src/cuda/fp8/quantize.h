@@ -59,4 +59,15 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
                             cudaStream_t stream);
 
+// The column quantizer fused with the pool gather: q_t [cols, capacity] and
+// scales [capacity / 128, cols] of the pool gather_rows would make (row r <
+// *pool_rows: src row row_src[r] / top_k, zeros where row_src[r] < 0),
+// bitwise what quantize_e4m3_cols_t makes of it, without writing the bf16
+// pool; the 128-row blocks from *pool_rows on (a multiple of 128: the pool's
+// experts are padded to whole blocks) are not written. capacity and cols
+// multiples of 128.
+Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t* row_src, int top_k,
+                                   const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q_t,
+                                   float* scales, cudaStream_t stream);
+
 }  // namespace megamoe::cuda

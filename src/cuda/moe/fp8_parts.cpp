@@ -1,5 +1,8 @@
 #include "cuda/moe/fp8_parts.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "cuda/fp8/quantize.h"
 #include "cuda/moe/layer_kernels.h"
 
@@ -93,12 +96,30 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
                        const LayerGrads& grads, int sms) {
   const Fp8Scale sc = scale_of(call);
   MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream));
+  if (b != nullptr) MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream));
   GroupedGemmArgs g = weight_grad(call, plan, capacity, a, m, b, n, out, grads);
   use_fp8(g, a_t, a_ts, b_t, b_ts);
   g.a_rows = m, g.a_cols = capacity;
   g.b_rows = n, g.b_cols = capacity;
   return launch_grouped_gemm(g, sms, call.stream);
+}
+
+bool fp8_gather_cols_t() {
+  static const bool on = [] {
+    const char* v = std::getenv("MEGAMOE_FP8_GATHER_COLS_T");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                               const void* x, const LayerGrads& grads, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
+  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_cols_t(x, H, plan.row_src, d.top_k, plan.pool_rows, C, scale_of(call),
+                                                      f.x_t, f.x_ts, call.stream));
+  return fp8_weight_grad(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, nullptr, H, f.x_t, f.x_ts, grads.dw13,
+                         grads, sms);
 }
 
 }  // namespace megamoe::cuda::detail

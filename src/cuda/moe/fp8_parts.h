@@ -3,9 +3,10 @@
 // row tiles along K for activations and output gradients, 128 x 128 blocks for
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
-// x and dy are quantised as they are gathered into the pool; a and the
-// weight-gradient operands by separate passes over the pools (not yet fused
-// into the epilogues that produce them); dz in kDownGrad's epilogue with
+// x and dy are quantised as they are gathered into the pool (and x^T, dW13's
+// operand, as x is gathered again in the backward, with fp8_gather_cols_t());
+// a and the other weight-gradient operands by separate passes over the pools
+// (not yet fused into the epilogues that produce them); dz in kDownGrad's epilogue with
 // power-of-two scales, by a pass with fp32 ones (fp8_parts.cpp says why).
 // The e4m3 weights come from the caller's buffer
 // (MoeBuffers::fp8_weights), filled by fill_fp8_weights when the caller says
@@ -43,9 +44,20 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
 
 // dW[e] = A^T B over each expert's pool rows in FP8, from the bf16 pools a
 // [C, m] and b [C, n], each quantised per 128 rows of each column first into
-// (a_t, a_ts) and (b_t, b_ts).
+// (a_t, a_ts) and (b_t, b_ts); b null: (b_t, b_ts) hold B quantised already.
 Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                        const LayerGrads& grads, int sms);
+
+// dW13[e] = dz^T x in FP8 (fp8_weight_grad on the dz pool): x^T quantised per
+// 128 pool rows of each column as x's rows are gathered
+// (gather_quantize_e4m3_cols_t: no bf16 x pool, one pass instead of two).
+// Written in session 23 after its GPU time: the layer takes it only when
+// fp8_gather_cols_t() (env MEGAMOE_FP8_GATHER_COLS_T=1, read once), a
+// developer switch until a GPU run has verified and timed it (perf-log);
+// otherwise gather_rows and fp8_weight_grad as before.
+bool fp8_gather_cols_t();
+Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                               const void* x, const LayerGrads& grads, int sms);
 
 }  // namespace megamoe::cuda::detail
