@@ -328,12 +328,12 @@ int main(int argc, char** argv) {
                             warmup, iters), 0});
   std::printf("megamoe-gemm-bench: %s, %lld tokens (pool %lld rows), medians of %d after %d warm-ups\n", shape->name,
               static_cast<long long>(T), static_cast<long long>(C), iters, warmup);
-  std::printf("%-20s %9s %9s\n", "kernel", "us", "TFLOP/s");
+  std::printf("%-26s %9s %9s\n", "kernel", "us", "TFLOP/s");
   for (const Row& r : rows) {
     if (r.flops > 0)
-      std::printf("%-20s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
+      std::printf("%-26s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
     else
-      std::printf("%-20s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
+      std::printf("%-26s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
   }
   return 0;
 }
