@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/fp8/quantize.h"
@@ -77,6 +78,40 @@ struct Dev {
   }
 };
 
+// Over indices [0, n): those with used(i) must have got(i) == want(i), the
+// others must still hold `fill` (values as bits). Returns {differ, written past}.
+uint32_t bits(uint8_t v) { return v; }
+uint32_t bits(float v) { return float_bits(v); }
+// Element i of v as bits (a uint8 as its value, a float as its bit pattern).
+template <typename T>
+auto bits_of(const std::vector<T>& v) {
+  return [&v](int64_t i) { return bits(v[static_cast<size_t>(i)]); };
+}
+
+// Outputs filled with 0xAB and a device-side used-row count, for the quantizers' used_rows runs.
+struct UsedRowsRun {
+  Dev<int32_t> used{1};
+  Dev<uint8_t> q;
+  Dev<float> s;
+  UsedRowsRun(int32_t used_rows, size_t q_n, size_t s_n) : q(q_n), s(s_n) {
+    EXPECT_EQ(cudaMemcpy(used.p, &used_rows, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemset(q.p, 0xAB, q_n), cudaSuccess);
+    EXPECT_EQ(cudaMemset(s.p, 0xAB, s_n * 4), cudaSuccess);
+  }
+};
+
+template <typename Used, typename Got, typename Want>
+std::pair<int64_t, int64_t> used_and_past(int64_t n, Used used, Got got, Want want, uint32_t fill) {
+  std::pair<int64_t, int64_t> counts{0, 0};
+  for (int64_t i = 0; i < n; ++i) {
+    if (used(i))
+      counts.first += got(i) != want(i);
+    else
+      counts.second += got(i) != fill;
+  }
+  return counts;
+}
+
 class Fp8Quantize : public ::testing::TestWithParam<ScaleKind> {
  protected:
   cuda::Fp8Scale kind() const {
@@ -133,6 +168,21 @@ void expect_row_tiles_match(int64_t rows, int64_t cols, ScaleKind kind, cuda::Fp
     for (int64_t t = 0; t < tiles; ++t)
       by_k_block_differ += float_bits(s_kb[static_cast<size_t>(t * rows + r)]) != float_bits(s[static_cast<size_t>(r * tiles + t)]);
   EXPECT_EQ(by_k_block_differ, 0) << rows << " x " << cols << ", scales by k-block";
+  // Only the first used rows (a pool's, read on the device): the same bytes and scales there, nothing past.
+  const int32_t used = static_cast<int32_t>(rows / 2);
+  const UsedRowsRun run(used, x.size(), static_cast<size_t>(rows * tiles));
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dx.p, rows, cols, gpu_kind, run.q.p, run.s.p, nullptr,
+                                             cuda::RowScales::kByRow, run.used.p));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto q_used = run.q.get(x.size());
+  const auto s_used = run.s.get(static_cast<size_t>(rows * tiles));
+  const auto [q_differ, q_past] =
+      used_and_past(rows * cols, [&](int64_t i) { return i < used * cols; }, bits_of(q_used), bits_of(q), 0xABu);
+  const auto [s_differ, s_past] =
+      used_and_past(rows * tiles, [&](int64_t i) { return i < used * tiles; }, bits_of(s_used), bits_of(s), 0xABABABABu);
+  const int64_t used_differ = q_differ + s_differ, written_past = q_past + s_past;
+  EXPECT_EQ(used_differ, 0) << rows << " x " << cols << ", the used rows";
+  EXPECT_EQ(written_past, 0) << rows << " x " << cols << ", written past the used rows";
 }
 
 TEST_P(Fp8Quantize, RowTilesMatchTheReferenceBitwise) {
@@ -321,6 +371,21 @@ TEST_P(Fp8Quantize, ColumnTilesTransposedMatchTheReferenceBitwise) {
   EXPECT_EQ(s[0], 1.0f) << "the zero tile's scale";
   EXPECT_TRUE(std::isnan(s[static_cast<size_t>(1 * cols + 5)])) << "the NaN tile's scale";
   EXPECT_TRUE(std::isinf(s[static_cast<size_t>(2 * cols + 200)])) << "the inf tile's scale";
+  // Only the first 256 rows (a pool's used rows, read on the device): the same there, the last block untouched.
+  const int32_t used = 256;
+  const UsedRowsRun run(used, x.size(), static_cast<size_t>(tr * cols));
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_cols_t(dx.p, rows, cols, kind(), run.q.p, run.s.p, nullptr, run.used.p));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto qt_used = run.q.get(x.size());
+  const auto s_used = run.s.get(static_cast<size_t>(tr * cols));
+  // q_t [cols, rows]: element i is row i % rows.
+  const auto [q_differ, q_past] =
+      used_and_past(rows * cols, [&](int64_t i) { return i % rows < used; }, bits_of(qt_used), bits_of(qt), 0xABu);
+  const auto [s_differ, s_past] = used_and_past(
+      tr * cols, [&](int64_t i) { return i < used / 128 * cols; }, bits_of(s_used), bits_of(s), 0xABABABABu);
+  const int64_t used_differ = q_differ + s_differ, written_past = q_past + s_past;
+  EXPECT_EQ(used_differ, 0) << "the used rows";
+  EXPECT_EQ(written_past, 0) << "written past the used rows";
 }
 
 // The column quantizer fused with the pool gather: for the pool's used row

@@ -55,7 +55,12 @@ struct RowsSource {
   const __nv_bfloat16* x;
   int64_t tiles;
   ScaleIndex scale_at;
-  __device__ int64_t count() const { return tiles; }
+  const int32_t* used_rows;  // optional: only the first *used_rows rows (read on the device)
+  __device__ int64_t count() const {
+    if (used_rows == nullptr) return tiles;
+    const int64_t used = static_cast<int64_t>(*used_rows) * scale_at.segs;
+    return used < tiles ? used : tiles;
+  }
   __device__ const __nv_bfloat16* tile(int64_t t) const { return x + t * kTile; }
   __device__ void copy(int64_t, int, uint4) const {}
 };
@@ -140,7 +145,8 @@ __device__ __forceinline__ void load_rows_8x8(const __nv_bfloat16* src, int64_t 
 // 0; the row blocks from *pool_rows on are skipped, not written).
 struct TileRows {
   const __nv_bfloat16* x;
-  __device__ bool skip(int64_t) const { return false; }
+  const int32_t* used_rows;  // optional: the row blocks from *used_rows on are skipped
+  __device__ bool skip(int64_t tr) const { return used_rows != nullptr && tr * kTile >= *used_rows; }
   __device__ void load(int64_t tr, int64_t tc, int64_t cols, int r0, int c8, uint4 (&raw)[8]) const {
     load_rows_8x8(x + tr * kTile * cols + tc * kTile, cols, r0, c8, raw);
   }
@@ -311,7 +317,7 @@ unsigned row_blocks(int64_t tiles) {
 }  // namespace
 
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
-                          cudaStream_t stream, RowScales layout) {
+                          cudaStream_t stream, RowScales layout, const int32_t* used_rows) {
   // Rows need not be a multiple of 128 here (1 x 128 tiles): only cols.
   if (rows <= 0 || cols <= 0 || cols % kTile != 0)
     return invalid_argument("fp8 row quantizer: rows = " + std::to_string(rows) + " must be positive and cols = " +
@@ -326,7 +332,7 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
   const int64_t tiles = rows * (cols / kTile);
   const ScaleIndex at{static_cast<uint32_t>(cols / kTile), rows, layout == RowScales::kByKBlock};
   quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
-      RowsSource{static_cast<const __nv_bfloat16*>(x), tiles, at}, scale, q, scales);
+      RowsSource{static_cast<const __nv_bfloat16*>(x), tiles, at, used_rows}, scale, q, scales);
   return cuda_status("fp8 row quantizer", cudaGetLastError());
 }
 
@@ -371,7 +377,7 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
 }
 
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const int32_t* used_rows) {
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 column quantizer", rows, cols));
   if (x == nullptr || q_t == nullptr || scales == nullptr)
     return invalid_argument("fp8 column quantizer: a pointer is null");
@@ -379,7 +385,7 @@ Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale 
     return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
   const int64_t tiles = (rows / kTile) * (cols / kTile);
   quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
-      TileRows{static_cast<const __nv_bfloat16*>(x)}, rows, cols, scale, q_t, scales);
+      TileRows{static_cast<const __nv_bfloat16*>(x), used_rows}, rows, cols, scale, q_t, scales);
   return cuda_status("fp8 column quantizer", cudaGetLastError());
 }
 

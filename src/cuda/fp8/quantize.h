@@ -38,8 +38,11 @@ enum class Fp8Scale { kFloat32, kPowerOfTwo };
 // Where the row quantizers put a row's scales (the values are the same).
 enum class RowScales { kByRow, kByKBlock };
 
+// used_rows (optional, device memory): only rows [0, *used_rows) are
+// quantised (a pool's used rows; rows stays the scales' row stride).
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
-                          cudaStream_t stream, RowScales layout = RowScales::kByRow);
+                          cudaStream_t stream, RowScales layout = RowScales::kByRow,
+                          const int32_t* used_rows = nullptr);
 
 // The row quantizer fused with the pool gather (cuda/moe/layer_kernels.h
 // gather_rows): pool row r < *pool_rows is src row row_src[r] / top_k, zeros
@@ -56,8 +59,10 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
 
+// used_rows (optional, device memory, a multiple of 128): the 128-row blocks
+// from *used_rows on are not written.
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const int32_t* used_rows = nullptr);
 
 // The column quantizer fused with the pool gather: q_t [cols, capacity] and
 // scales [capacity / 128, cols] of the pool gather_rows would make (row r <

@@ -14,14 +14,18 @@ namespace {
 using detail::Carved;
 using detail::carve;
 using detail::carve_fp8;
+using detail::check_fp8_weights;
 using detail::device_plan;
 using detail::Fp8Carved;
+using detail::fp8_backward;
 using detail::fp8_data_grad_gemms;
 using detail::fp8_down;
-using detail::fp8_gate_up_weight_grad;
+using detail::fp8_forward;
 using detail::fp8_gate_up;
+using detail::fp8_gate_up_weight_grad;
 using detail::fp8_weight_grad;
 using detail::pool_gemm;
+using detail::refresh_fp8_weights;
 using detail::sm_count;
 using detail::weight_grad;
 
@@ -41,36 +45,6 @@ Status check_hopper(int device) {
                            ")");
   }
   return verdict[device] == 1 ? Status::Ok() : unimplemented("backend cuda: the kernels need a Hopper GPU (sm_90)");
-}
-
-bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
-bool fp8_backward(const LayerDims& d) { return d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd; }
-
-// The FP8 weight buffer: there, aligned and large enough.
-Status check_fp8_weights(const LayerDims& dims, const LayerBuffers& buffers) {
-  Fp8WeightLayout wl;
-  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
-  if (wl.bytes > 0 && (buffers.fp8_weights == nullptr || buffers.fp8_weights_bytes < wl.bytes))
-    return invalid_argument("fp8_weights: precision " + std::string(to_string(dims.precision)) +
-                            " needs the layer's FP8 weight buffer of " + std::to_string(wl.bytes) + " bytes, " +
-                            (buffers.fp8_weights == nullptr ? std::string("none")
-                                                            : std::to_string(buffers.fp8_weights_bytes) + " bytes") +
-                            " given (moe_buffer_sizes)");
-  if (reinterpret_cast<uintptr_t>(buffers.fp8_weights) % kBufferAlign != 0)
-    return invalid_argument("fp8_weights: the buffer must be 256-byte aligned");
-  return Status::Ok();
-}
-
-// The caller's FP8 weight buffer, checked, and quantised from w13 and w2
-// unless the caller says it is current (MoeBuffers::fp8_weights_ready). A
-// call that reads it needs it (`reads`: fp8's forward, every FP8 backward);
-// fp8_bwd's forward reads none, but fills a buffer it is given for its backward.
-Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, const Fp8Carved& f,
-                           const LayerInputs& in, bool reads) {
-  if (!fp8_backward(call.dims) || (!reads && buffers.fp8_weights == nullptr)) return Status::Ok();
-  MEGAMOE_RETURN_IF_ERROR(check_fp8_weights(call.dims, buffers));
-  if (buffers.fp8_weights_ready) return Status::Ok();
-  return detail::fill_fp8_weights(call, f, in.w13, in.w2);
 }
 
 // x gathered into the pool, then GEMM1 + SwiGLU in the forward's precision: z

@@ -7,6 +7,7 @@
 #include "cuda/common/cuda_status.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
+#include "cuda/moe/fp8_parts.h"
 #include "cuda/moe/layer_kernels.h"
 #include "cuda/moe/layer_parts.h"
 
@@ -135,6 +136,9 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   const EpScratch s = ep_scratch(ep);
   detail::Carved c;
   MEGAMOE_RETURN_IF_ERROR(detail::carve(call, buffers, &c));
+  detail::Fp8Carved f;  // null regions unless the precision quantises
+  MEGAMOE_RETURN_IF_ERROR(detail::carve_fp8(call, buffers, &f));
+  MEGAMOE_RETURN_IF_ERROR(detail::refresh_fp8_weights(call, buffers, f, in, detail::fp8_forward(d)));
   const int64_t C = c.capacity;
   const int sms = detail::sm_count(call.device);
 
@@ -158,14 +162,21 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
                                          plan.pool_rows, C, c.xdy_pool, call.stream));
 
-  GroupedGemmArgs g1 = detail::pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, L * 2 * I, H, I);
-  g1.out0 = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
-  g1.out1 = c.a_pool;
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
-  GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
-  g2.topk_weights = weights;
-  g2.peer_slots = return_slots(ep, kept.source_counts);
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
+  void* z_keep = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
+  const GroupedGemmArgs::PeerSlots y_slots = return_slots(ep, kept.source_counts);
+  if (detail::fp8_forward(d)) {  // the pool's bf16 rows quantised (per row: the one-GPU layer's bytes)
+    MEGAMOE_RETURN_IF_ERROR(detail::fp8_gate_up(call, plan, c, f, nullptr, in.w13, z_keep, c.a_pool, sms, true));
+    MEGAMOE_RETURN_IF_ERROR(detail::fp8_down(call, plan, c, f, in.w2, weights, sms, &y_slots));
+  } else {
+    GroupedGemmArgs g1 = detail::pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, L * 2 * I, H, I);
+    g1.out0 = z_keep;
+    g1.out1 = c.a_pool;
+    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
+    GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
+    g2.topk_weights = weights;
+    g2.peer_slots = y_slots;
+    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g2, sms, call.stream));
+  }
 
   // The rows are in their sources' slots (after the GEMM, in stream order): only the flags go out.
   return combine_signal(ep.view, ep.layout, kept.source_counts, ep.epoch, call.stream);
@@ -269,6 +280,9 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
   const EpSaved kept = ep_saved_view(ep, ep_saved);
   detail::Carved c;
   MEGAMOE_RETURN_IF_ERROR(detail::carve(call, buffers, &c));
+  detail::Fp8Carved f;  // null regions unless the precision quantises
+  MEGAMOE_RETURN_IF_ERROR(detail::carve_fp8(call, buffers, &f));
+  MEGAMOE_RETURN_IF_ERROR(detail::refresh_fp8_weights(call, buffers, f, in, true));
   const int64_t C = c.capacity;
   const int sms = detail::sm_count(call.device);
   const DevicePlan plan = detail::device_plan(c.pv.plan, d);
@@ -276,15 +290,25 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
 
   // As layer_backward, over the virtual tokens: ga = dy @ w2[e]; fused d topk_w
   // partials, dz, topk_w * a; then dx slots = dz @ w13[e]; dW2 = dy^T (w a).
+  // FP8: the pool's dy rows quantised as one GPU quantises them; the e4m3
+  // operand sets of the data gradients, dW2 and dW13 share one scratch area,
+  // written in this stream's order (Fp8Layout).
   const GroupedGemmArgs::PeerSlots dx_slots = return_slots(ep, s.source_counts);
-  MEGAMOE_RETURN_IF_ERROR(
-      detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms, &dx_slots));
+  if (detail::fp8_backward(d))
+    MEGAMOE_RETURN_IF_ERROR(detail::fp8_data_grad_gemms(call, plan, c, f, nullptr, in.w2, in.w13, kept.weights,
+                                                        s.route_values, sms, &dx_slots, true));
+  else
+    MEGAMOE_RETURN_IF_ERROR(
+        detail::data_grad_gemms(call, plan, c, in.w2, in.w13, kept.weights, s.route_values, sms, &dx_slots));
   // dx rows are in their sources' slots; d topk_w and the flags go back before
   // dW2 runs: the sources' wait is not held up by it.
   CombineArgs ca;
   ca.outputs = nullptr, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;
   ca.route_values = s.route_values, ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
   MEGAMOE_RETURN_IF_ERROR(combine_push(ep.view, ep.layout, ca, call.stream));
+  if (detail::fp8_backward(d))
+    return detail::fp8_weight_grad(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t, f.wa_ts,
+                                   grads.dw2, grads, sms);
   return launch_grouped_gemm(detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms,
                              call.stream);
 }
@@ -315,14 +339,20 @@ Status ep_backward_weight_grads(const LayerCall& call, const EpGroup& ep, const 
   const EpGroup e2 = second_epoch(ep);
   detail::Carved c;
   MEGAMOE_RETURN_IF_ERROR(detail::carve(call, buffers, &c));
+  detail::Fp8Carved f;  // null regions unless the precision quantises
+  MEGAMOE_RETURN_IF_ERROR(detail::carve_fp8(call, buffers, &f));
   const DevicePlan plan = detail::device_plan(c.pv.plan, call.dims);
   MEGAMOE_RETURN_IF_ERROR(receive_rows(call, e2, in, in.x, tokens, c, ep_saved_view(ep, ep_saved).source_counts));
   // The receive area is read: its sources may reuse it.
   MEGAMOE_RETURN_IF_ERROR(combine_signal(ep.view, ep.layout, ep_scratch(ep).source_counts, e2.epoch, call.stream));
   const int64_t H = call.dims.hidden, I = call.dims.intermediate;
+  const int sms = detail::sm_count(call.device);
+  if (detail::fp8_backward(call.dims))  // dz^T and x^T quantised by 128 pool rows of each column
+    return detail::fp8_weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t,
+                                   f.x_ts, grads.dw13, grads, sms);
   return launch_grouped_gemm(
-      detail::weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads),
-      detail::sm_count(call.device), call.stream);
+      detail::weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads), sms,
+      call.stream);
 }
 
 Status ep_backward_finish(const LayerCall& call, const EpGroup& ep) {

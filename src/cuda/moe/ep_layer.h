@@ -1,5 +1,9 @@
 // The MoE layer's forward with expert parallelism inside one node
-// (docs/ep-design.md), BF16. Rank r holds its own tokens and experts
+// (docs/ep-design.md). BF16; with an FP8 precision in the owner's dims
+// (written, not yet run on a GPU: the public entries refuse it) the owner's
+// GEMMs run in FP8 (cuda/moe/fp8_parts.h) on the rows dispatched in bf16;
+// the owner's scratch must then be sized for its dims' precision and
+// LayerBuffers::fp8_weights hold its L local experts. Rank r holds its own tokens and experts
 // [r L, (r + 1) L) (L = E / world). Three phases, each async on the call's
 // stream, no host synchronisation:
 //   send     check this rank's routing; push each token row once to every

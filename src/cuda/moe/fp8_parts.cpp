@@ -22,6 +22,31 @@ void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const 
 
 }  // namespace
 
+bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
+bool fp8_backward(const LayerDims& d) { return d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd; }
+
+Status check_fp8_weights(const LayerDims& dims, const LayerBuffers& buffers) {
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(dims, &wl));
+  if (wl.bytes > 0 && (buffers.fp8_weights == nullptr || buffers.fp8_weights_bytes < wl.bytes))
+    return invalid_argument("fp8_weights: precision " + std::string(to_string(dims.precision)) +
+                            " needs the layer's FP8 weight buffer of " + std::to_string(wl.bytes) + " bytes, " +
+                            (buffers.fp8_weights == nullptr ? std::string("none")
+                                                            : std::to_string(buffers.fp8_weights_bytes) + " bytes") +
+                            " given (moe_buffer_sizes)");
+  if (reinterpret_cast<uintptr_t>(buffers.fp8_weights) % kBufferAlign != 0)
+    return invalid_argument("fp8_weights: the buffer must be 256-byte aligned");
+  return Status::Ok();
+}
+
+Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, const Fp8Carved& f,
+                           const LayerInputs& in, bool reads) {
+  if (!fp8_backward(call.dims) || (!reads && buffers.fp8_weights == nullptr)) return Status::Ok();
+  MEGAMOE_RETURN_IF_ERROR(check_fp8_weights(call.dims, buffers));
+  if (buffers.fp8_weights_ready) return Status::Ok();
+  return fill_fp8_weights(call, f, in.w13, in.w2);
+}
+
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts;
@@ -31,12 +56,16 @@ Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w
 }
 
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms) {
+                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool rows_in_pool) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(x, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.x_q, f.x_s,
-                                                    nullptr, call.stream));
+  if (rows_in_pool)
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
+  else
+    MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(x, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.x_q,
+                                                      f.x_s, nullptr, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
   use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
   g.out0 = z_pool, g.out1 = a_pool;
@@ -44,28 +73,34 @@ Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& 
 }
 
 Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
-                const float* topk_weights, int sms) {
+                const float* topk_weights, int sms, const GroupedGemmArgs::PeerSlots* peer) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(
+      quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream, RowScales::kByRow, plan.pool_rows));
   GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, w2, E * H, I, H);
   use_fp8(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
   g.topk_weights = topk_weights;
   g.out0 = c.slots;
+  if (peer != nullptr) g.peer_slots = *peer;
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
 Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                            const void* dy, const void* w2, const void* w13, const float* topk_weights, float* d_topk,
-                           int sms) {
+                           int sms, const GroupedGemmArgs::PeerSlots* dx_peer_slots, bool rows_in_pool) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
   // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
   // dy gathered into the pool (bf16: the dW2 operand) and quantised on the way.
-  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.dy_q,
-                                                    f.dy_s, c.xdy_pool, call.stream));
+  if (rows_in_pool)
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
+  else
+    MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.dy_q,
+                                                      f.dy_s, c.xdy_pool, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
   use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
   gd.b_k_major = true;
@@ -83,11 +118,14 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
   // dx slots = dz @ w13[e]: K = 2I; B = w13[e]^T as [E * H, 2I].
-  if (!dz_in_epilogue) MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream));
+  if (!dz_in_epilogue)
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * H, 2 * I, H);
   use_fp8(gx, f.dz_q, f.dz_s, f.w13_t, f.w13_s);
   gx.b_k_major = true;
   gx.out0 = c.slots;
+  if (dx_peer_slots != nullptr) gx.peer_slots = *dx_peer_slots;
   return launch_grouped_gemm(gx, sms, call.stream);
 }
 
@@ -95,8 +133,9 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                        const LayerGrads& grads, int sms) {
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream));
-  if (b != nullptr) MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream, plan.pool_rows));
+  if (b != nullptr)
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream, plan.pool_rows));
   GroupedGemmArgs g = weight_grad(call, plan, capacity, a, m, b, n, out, grads);
   use_fp8(g, a_t, a_ts, b_t, b_ts);
   g.a_rows = m, g.a_cols = capacity;

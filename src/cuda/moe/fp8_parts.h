@@ -22,25 +22,45 @@
 
 namespace megamoe::cuda::detail {
 
+bool fp8_forward(const LayerDims& d);   // fp8: the forward's GEMMs in FP8
+bool fp8_backward(const LayerDims& d);  // fp8, fp8_bwd: the backward's
+
+// The FP8 weight buffer: there, aligned and large enough.
+Status check_fp8_weights(const LayerDims& dims, const LayerBuffers& buffers);
+
+// The caller's FP8 weight buffer, checked, and quantised from w13 and w2
+// unless the caller says it is current (MoeBuffers::fp8_weights_ready). A
+// call that reads it needs it (`reads`: fp8's forward, every FP8 backward);
+// fp8_bwd's forward reads none, but fills a buffer it is given for its backward.
+Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, const Fp8Carved& f,
+                           const LayerInputs& in, bool reads);
+
 // w13 and w2 into f's weight regions: 128 x 128 blocks, as given (fp8 only) and
 // transposed, one scale per block.
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
 
 // The forward's GEMMs (weights from f): x's rows gathered into the pool as
-// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool), kGateUp (z into z_pool
-// when not null, a into the a pool), a quantised, kDown into the slots. Also
-// the backward's recomputation of z (z_pool, a_pool null).
+// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool; rows_in_pool: the bf16
+// pool c.xdy_pool holds the rows already, as an expert-parallel owner
+// gathers them, and its used rows are quantised; x unused), kGateUp (z into
+// z_pool when not null, a into the a pool), a quantised, kDown into the
+// slots (or, with peer, into the source ranks' return slots). Also the
+// backward's recomputation of z (z_pool, a_pool null). The pool passes
+// cover its used rows only (plan.pool_rows, on the device).
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms);
+                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool rows_in_pool = false);
 Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
-                const float* topk_weights, int sms);
+                const float* topk_weights, int sms, const GroupedGemmArgs::PeerSlots* peer = nullptr);
 
 // The backward's data-gradient GEMMs in FP8 (as data_grad_gemms), on the
 // weights' transposed copies in f: dy's rows gathered into the pool (bf16,
-// for dW2) and quantised in the same pass.
+// for dW2) and quantised in the same pass (rows_in_pool: the pool holds
+// them, as an expert-parallel owner gathers them, and is quantised; dy
+// unused); dx_peer_slots as data_grad_gemms'.
 Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                            const void* dy, const void* w2, const void* w13, const float* topk_weights, float* d_topk,
-                           int sms);
+                           int sms, const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr,
+                           bool rows_in_pool = false);
 
 // dW[e] = A^T B over each expert's pool rows in FP8, from the bf16 pools a
 // [C, m] and b [C, n], each quantised per 128 rows of each column first into
