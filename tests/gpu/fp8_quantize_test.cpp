@@ -78,8 +78,6 @@ struct Dev {
   }
 };
 
-// Over indices [0, n): those with used(i) must have got(i) == want(i), the
-// others must still hold `fill` (values as bits). Returns {differ, written past}.
 uint32_t bits(uint8_t v) { return v; }
 uint32_t bits(float v) { return float_bits(v); }
 // Element i of v as bits (a uint8 as its value, a float as its bit pattern).
@@ -100,6 +98,8 @@ struct UsedRowsRun {
   }
 };
 
+// Over indices [0, n): those with used(i) must have got(i) == want(i), the
+// others must still hold `fill` (values as bits). Returns {differ, written past}.
 template <typename Used, typename Got, typename Want>
 std::pair<int64_t, int64_t> used_and_past(int64_t n, Used used, Got got, Want want, uint32_t fill) {
   std::pair<int64_t, int64_t> counts{0, 0};

@@ -59,8 +59,9 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
 
-// used_rows (optional, device memory, a multiple of 128): the 128-row blocks
-// from *used_rows on are not written.
+// used_rows (optional, device memory; a pool's used rows, a multiple of 128):
+// the 128-row blocks from *used_rows on are not written (a block that
+// *used_rows ends inside is quantised whole).
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
                             cudaStream_t stream, const int32_t* used_rows = nullptr);
 
