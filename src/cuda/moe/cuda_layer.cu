@@ -23,11 +23,10 @@ using detail::fp8_down;
 using detail::fp8_forward;
 using detail::fp8_gate_up;
 using detail::fp8_gate_up_weight_grad;
-using detail::fp8_weight_grad;
 using detail::pool_gemm;
 using detail::refresh_fp8_weights;
 using detail::sm_count;
-using detail::weight_grad;
+using detail::weight_grad_gemm;
 
 // The kernels are sm_90a: say so once per device instead of failing at launch.
 Status check_hopper(int device) {
@@ -71,16 +70,6 @@ Status down(const LayerCall& call, const DevicePlan& plan, const Carved& c, cons
                                 d.num_experts * d.hidden, d.intermediate, d.hidden);
   g.topk_weights = topk_weights, g.out0 = c.slots;
   return launch_grouped_gemm(g, sms, call.stream);
-}
-
-// dW[e] = A^T B over each expert's pool rows (a [C, m], b [C, n]) in the
-// backward's precision; FP8 quantises them first into (a_t, a_ts), (b_t, b_ts).
-Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
-                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
-                        const LayerGrads& grads, int sms) {
-  if (fp8_backward(call.dims))
-    return fp8_weight_grad(call, plan, capacity, a, m, a_t, a_ts, b, n, b_t, b_ts, out, grads, sms);
-  return launch_grouped_gemm(weight_grad(call, plan, capacity, a, m, b, n, out, grads), sms, call.stream);
 }
 
 }  // namespace

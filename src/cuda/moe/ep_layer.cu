@@ -306,11 +306,8 @@ Status ep_backward_experts(const LayerCall& call, const EpGroup& ep, const Layer
   ca.outputs = nullptr, ca.virtual_idx = kept.virtual_idx, ca.source_counts = s.source_counts;
   ca.route_values = s.route_values, ca.epoch = ep.epoch, ca.blocks_done = s.combine_done;
   MEGAMOE_RETURN_IF_ERROR(combine_push(ep.view, ep.layout, ca, call.stream));
-  if (detail::fp8_backward(d))
-    return detail::fp8_weight_grad(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t, f.wa_ts,
-                                   grads.dw2, grads, sms);
-  return launch_grouped_gemm(detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms,
-                             call.stream);
+  return detail::weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t, f.wa_ts,
+                                  grads.dw2, grads, sms);
 }
 
 Status ep_backward_combine(const LayerCall& call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
@@ -346,13 +343,9 @@ Status ep_backward_weight_grads(const LayerCall& call, const EpGroup& ep, const 
   // The receive area is read: its sources may reuse it.
   MEGAMOE_RETURN_IF_ERROR(combine_signal(ep.view, ep.layout, ep_scratch(ep).source_counts, e2.epoch, call.stream));
   const int64_t H = call.dims.hidden, I = call.dims.intermediate;
-  const int sms = detail::sm_count(call.device);
-  if (detail::fp8_backward(call.dims))  // dz^T and x^T quantised by 128 pool rows of each column
-    return detail::fp8_weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t,
-                                   f.x_ts, grads.dw13, grads, sms);
-  return launch_grouped_gemm(
-      detail::weight_grad(call, plan, c.capacity, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads), sms,
-      call.stream);
+  // FP8: dz^T and x^T quantised by 128 pool rows of each column.
+  return detail::weight_grad_gemm(call, plan, c.capacity, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t,
+                                  f.x_ts, grads.dw13, grads, detail::sm_count(call.device));
 }
 
 Status ep_backward_finish(const LayerCall& call, const EpGroup& ep) {

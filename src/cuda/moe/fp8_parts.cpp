@@ -143,6 +143,14 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
+Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
+                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
+                        const LayerGrads& grads, int sms) {
+  if (fp8_backward(call.dims))
+    return fp8_weight_grad(call, plan, capacity, a, m, a_t, a_ts, b, n, b_t, b_ts, out, grads, sms);
+  return launch_grouped_gemm(weight_grad(call, plan, capacity, a, m, b, n, out, grads), sms, call.stream);
+}
+
 bool fp8_gather_cols_t() {
   static const bool on = [] {
     const char* v = std::getenv("MEGAMOE_FP8_GATHER_COLS_T");

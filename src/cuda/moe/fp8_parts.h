@@ -69,6 +69,13 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                        const LayerGrads& grads, int sms);
 
+// dW[e] = A^T B over each expert's pool rows (a [C, m], b [C, n]) in the
+// backward's precision: fp8_weight_grad, or the bf16 kWeightGrad GEMM (the
+// e4m3 regions unused).
+Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
+                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
+                        const LayerGrads& grads, int sms);
+
 // dW13[e] = dz^T x in FP8 (fp8_weight_grad on the dz pool): x^T quantised per
 // 128 pool rows of each column as x's rows are gathered
 // (gather_quantize_e4m3_cols_t: no bf16 x pool, one pass instead of two).
