@@ -1,6 +1,5 @@
 #include "cuda/moe/fp8_parts.h"
 
-#include <cstdlib>
 #include <string>
 
 #include "cuda/fp8/quantize.h"
@@ -149,14 +148,6 @@ Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t c
   if (fp8_backward(call.dims))
     return fp8_weight_grad(call, plan, capacity, a, m, a_t, a_ts, b, n, b_t, b_ts, out, grads, sms);
   return launch_grouped_gemm(weight_grad(call, plan, capacity, a, m, b, n, out, grads), sms, call.stream);
-}
-
-bool fp8_gather_cols_t() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_FP8_GATHER_COLS_T");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
 }
 
 Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,

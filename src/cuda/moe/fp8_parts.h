@@ -4,7 +4,7 @@
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
 // x and dy are quantised as they are gathered into the pool (and x^T, dW13's
-// operand, as x is gathered again in the backward, with fp8_gather_cols_t());
+// operand, as x is gathered again in the backward);
 // a and the other weight-gradient operands by separate passes over the pools
 // (not yet fused into the epilogues that produce them); dz in kDownGrad's epilogue with
 // power-of-two scales, by a pass with fp32 ones (fp8_parts.cpp says why).
@@ -78,12 +78,8 @@ Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t c
 
 // dW13[e] = dz^T x in FP8 (fp8_weight_grad on the dz pool): x^T quantised per
 // 128 pool rows of each column as x's rows are gathered
-// (gather_quantize_e4m3_cols_t: no bf16 x pool, one pass instead of two).
-// Written in session 23 after its GPU time: the layer takes it only when
-// fp8_gather_cols_t() (env MEGAMOE_FP8_GATHER_COLS_T=1, read once), a
-// developer switch until a GPU run has verified and timed it (perf-log);
-// otherwise gather_rows and fp8_weight_grad as before.
-bool fp8_gather_cols_t();
+// (gather_quantize_e4m3_cols_t: no bf16 x pool, one pass instead of two;
+// the same bytes as gather_rows + the column pass, perf-log session 24).
 Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                                const void* x, const LayerGrads& grads, int sms);
 
