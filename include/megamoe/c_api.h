@@ -69,11 +69,13 @@ typedef struct megamoe_fp8_weights {
 int megamoe_buffer_sizes(const megamoe_config* config, int64_t num_tokens, int32_t will_backward,
                          uint64_t* scratch_bytes, uint64_t* saved_bytes);
 
-/* Bytes of a layer's FP8 weight buffer (0 unless the precision is fp8 or fp8_bwd). */
+/* Bytes of a layer's FP8 weight buffer (0 unless the precision is fp8 or fp8_bwd).
+ * With ep_size > 1: one rank's, for its E / P experts (as megamoe_fill_fp8_weights). */
 int megamoe_fp8_weight_bytes(const megamoe_config* config, uint64_t* bytes);
 
-/* Fills fp8_weights (its `ready` is ignored) from w13 [E,2I,H] and w2 [E,H,I],
- * bf16 CUDA tensors, as a call with ready = 0 does first; async on stream. */
+/* Fills fp8_weights (its `ready` is ignored) from w13 [E,2I,H] and w2 [E,H,I]
+ * (with ep_size > 1, this rank's [E/P,2I,H] and [E/P,H,I]), bf16 CUDA
+ * tensors, as a call with ready = 0 does first; async on stream. */
 int megamoe_fill_fp8_weights(const megamoe_config* config, const megamoe_tensor* w13, const megamoe_tensor* w2,
                              const megamoe_fp8_weights* fp8_weights, void* stream);
 
@@ -111,17 +113,20 @@ typedef struct megamoe_ep_group {
 int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t will_backward,
                      uint64_t* symmetric_bytes, uint64_t* ep_scratch_bytes, uint64_t* scratch_bytes,
                      uint64_t* saved_bytes);
-/* As megamoe_forward / megamoe_backward, over the group (save policy keep). */
+/* As megamoe_forward / megamoe_backward, over the group (save policy keep).
+ * FP8 (fp8 / fp8_bwd): the owner's GEMMs run in e4m3 with this rank's FP8
+ * weights (megamoe_fp8_weight_bytes with ep_size > 1), bitwise the one-GPU
+ * FP8 layer on the whole batch; the rows cross NVLink in bf16. */
 int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
                        const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights, const megamoe_tensor* w13,
                        const megamoe_tensor* w2, const megamoe_tensor* y, const megamoe_buffer* saved,
-                       const megamoe_buffer* scratch, void* stream);
+                       const megamoe_buffer* scratch, const megamoe_fp8_weights* fp8_weights, void* stream);
 int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
                         const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights,
                         const megamoe_tensor* w13, const megamoe_tensor* w2, const megamoe_tensor* dy,
                         const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights, const megamoe_tensor* dw13,
                         const megamoe_tensor* dw2, const megamoe_buffer* saved, const megamoe_buffer* scratch,
-                        void* stream);
+                        const megamoe_fp8_weights* fp8_weights, void* stream);
 
 /* Model preset `index` (include/megamoe/presets.h): 0 and *out filled for
    index in [0, count), else an error; *count (when not null) gets the count. */

@@ -89,8 +89,8 @@ def _load() -> ctypes.CDLL:
         lib.megamoe_check.argtypes = [ctypes.c_int32, P]
         G = P  # megamoe_ep_group* (the struct lives in megamoe.ep)
         lib.megamoe_ep_sizes.argtypes = [C, ctypes.c_int64, ctypes.c_int32, U64, U64, U64, U64]
-        lib.megamoe_ep_forward.argtypes = [C, G] + [T] * 6 + [B, B, P]
-        lib.megamoe_ep_backward.argtypes = [C, G] + [T] * 10 + [B, B, P]
+        lib.megamoe_ep_forward.argtypes = [C, G] + [T] * 6 + [B, B, W, P]
+        lib.megamoe_ep_backward.argtypes = [C, G] + [T] * 10 + [B, B, W, P]
         lib.megamoe_cuda_available.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
         lib.megamoe_preset.argtypes = [ctypes.c_int32, ctypes.POINTER(PresetInfo), ctypes.POINTER(ctypes.c_int32)]
         lib.megamoe_peer_check.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, P, P, ctypes.c_uint64, P,

@@ -17,8 +17,10 @@ fix it instead. A call with more tokens is an error naming the limit.
 
 The forward keeps what the backward needs in a tensor autograd saves (the
 owner's routing plan, z, and its routes' weights); y, dx, d topk_w, dW13 and
-dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h).
-CUDA, bf16, save="keep" only.
+dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h),
+in bf16 and in FP8 (fp8 / fp8_bwd: the owners' GEMMs in e4m3 with this rank's
+experts' FP8 weights, cached as on one GPU; the rows cross NVLink in bf16).
+CUDA, save="keep" only.
 
 Limits, and what goes wrong otherwise:
   - No CUDA-graph capture and no torch.compile tracing through it (refused /
@@ -86,15 +88,19 @@ def _timeout_ms() -> int:
     return int(os.environ.get("MEGAMOE_EP_TIMEOUT_MS", "600000"))
 
 
-def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool) -> _lib.Config:
-    return _lib.Config(H, I, E, k, rank, world, _lib.PRECISIONS["bf16"], _lib.SAVE_POLICIES["keep"],
-                       1 if validate else 0, 0, _timeout_ms())
+def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool,
+            recipe: str = "bf16") -> _lib.Config:
+    """recipe: a precision, "/pow2" after fp8 / fp8_bwd for power-of-two scales (megamoe.ops)."""
+    precision, _, scale = recipe.partition("/")
+    return _lib.Config(H, I, E, k, rank, world, _lib.PRECISIONS[precision], _lib.SAVE_POLICIES["keep"],
+                       1 if validate else 0, 0, _timeout_ms(), _lib.FP8_SCALES["pow2" if scale else "fp32"], 0)
 
 
-def sizes(H: int, I: int, E: int, k: int, world: int, max_tokens: int, will_backward: bool = True) -> dict:
+def sizes(H: int, I: int, E: int, k: int, world: int, max_tokens: int, will_backward: bool = True,
+          recipe: str = "bf16") -> dict:
     """Bytes of the symmetric buffer and EP scratch (per group and device) and of one call's scratch and saved."""
     out = [ctypes.c_uint64() for _ in range(4)]
-    cfg = _config(H, I, E, k, 0, world, False)
+    cfg = _config(H, I, E, k, 0, world, False, recipe)
     _lib.check(_lib.lib().megamoe_ep_sizes(ctypes.byref(cfg), max_tokens, 1 if will_backward else 0,
                                            *[ctypes.byref(o) for o in out]))
     return dict(zip(("symmetric", "ep_scratch", "scratch", "saved"), (o.value for o in out)))
@@ -141,8 +147,9 @@ def _run(fn, *args) -> None:
 
 class _EpMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate, keep):
-        from .ops import _scratch, _validate_flag
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate, keep, recipe, fp8_weights,
+                fp8_kept):
+        from .ops import _fp8_desc, _scratch, _validate_flag
         import torch.distributed as dist
 
         x, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_weights, w13, w2))
@@ -160,10 +167,10 @@ class _EpMoE(torch.autograd.Function):
             raise _lib.MegaMoEError(f"CapacityError: {T} tokens on rank {rank}, but this group's buffer holds "
                                     f"max_tokens = {shared.max_tokens} (pass max_tokens= to megamoe.moe or the "
                                     f"module; the other ranks' calls time out)")
-        need = sizes(H, I, E, k, world, shared.max_tokens, keep)
+        need = sizes(H, I, E, k, world, shared.max_tokens, keep, recipe)
         y = torch.empty_like(x)
         saved = torch.empty(need["saved"], dtype=torch.uint8, device=x.device)
-        cfg = _config(H, I, E, k, rank, world, _validate_flag(validate))
+        cfg = _config(H, I, E, k, rank, world, _validate_flag(validate), recipe)
         with torch.cuda.device(x.device):
             scratch = _scratch(x.device, need["scratch"])
             grp = shared.struct(shared.take(1))
@@ -173,18 +180,21 @@ class _EpMoE(torch.autograd.Function):
                      *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())
                                                                     if saved.numel() else _lib.Buffer(None, 0)),
                      ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                     torch.cuda.current_stream(x.device).cuda_stream)
+                     ctypes.byref(_fp8_desc(fp8_weights)), torch.cuda.current_stream(x.device).cuda_stream)
             except _lib.MegaMoEError as e:
                 shared.broken = str(e)
                 raise
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, saved)
-        ctx.shared, ctx.cfg, ctx.need = shared, cfg, need
+        ctx.shared, ctx.cfg, ctx.need, ctx.recipe = shared, cfg, need, recipe
+        # FP8 weights: as the one-GPU op (megamoe.ops._setup_context), a buffer the layer keeps is
+        # current for the backward; one of the forward's own is not held, the backward fills another.
+        ctx.fp8_weights = fp8_weights if fp8_kept and fp8_weights.numel() > 0 else None
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        from .ops import _scratch
+        from .ops import _fp8_bytes, _fp8_desc, _scratch, fill_fp8_weights
 
         x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
         if saved.numel() == 0:
@@ -192,6 +202,11 @@ class _EpMoE(torch.autograd.Function):
         dy = dy.contiguous()
         dx, dtw = torch.empty_like(x), torch.empty_like(topk_weights)
         dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the one-GPU op writes them
+        fp8_weights = ctx.fp8_weights
+        if fp8_weights is None:  # bf16 (empty), or FP8 not kept by the layer: this rank's experts, filled here
+            fp8_weights = x.new_empty(_fp8_bytes(w13, ctx.recipe), dtype=torch.uint8)
+            if fp8_weights.numel() > 0:
+                fill_fp8_weights(w13, w2, fp8_weights, ctx.recipe)
         with torch.cuda.device(x.device):
             scratch = _scratch(x.device, ctx.need["scratch"])
             grp = ctx.shared.struct(ctx.shared.take(2))
@@ -200,16 +215,20 @@ class _EpMoE(torch.autograd.Function):
                 _run(_lib.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
                      *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())),
                      ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                     torch.cuda.current_stream(x.device).cuda_stream)
+                     ctypes.byref(_fp8_desc(fp8_weights)), torch.cuda.current_stream(x.device).cuda_stream)
             except _lib.MegaMoEError as e:
                 ctx.shared.broken = str(e)
                 raise
-        return dx, None, dtw, dw13, dw2, None, None, None, None
+        return dx, None, dtw, dw13, dw2, None, None, None, None, None, None, None
 
 
 @torch._dynamo.disable
-def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, validate: bool = False) -> torch.Tensor:
-    """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...)."""
+def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, validate: bool = False,
+           recipe: str = "bf16", fp8_weight_cache: bool = True) -> torch.Tensor:
+    """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...).
+    recipe: megamoe.ops' precision string ("bf16", "fp8", "fp8_bwd", "/pow2" after an FP8 one)."""
+    from .ops import _filled_fp8_weights, _fp8_bytes, _precision
+
     if not x.is_cuda:
         raise ValueError("megamoe: expert parallelism (group of several ranks) runs CUDA tensors only")
     if x.dtype != torch.bfloat16:
@@ -218,5 +237,13 @@ def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, valida
         raise RuntimeError("megamoe: expert parallelism cannot be captured in a CUDA graph (a replay would reuse "
                            "the call's epoch and read another call's data)")
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    return _EpMoE.apply(x, topk_idx, topk_weights.to(torch.float32), w13.to(torch.bfloat16),
-                        w2.to(torch.bfloat16), group, max_tokens, validate, keep)
+    w13c, w2c = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    # This rank's experts' FP8 weights, as the one-GPU op takes them: fp8 reads them in the forward,
+    # fp8_bwd in its backward only (filled here when the layer keeps them).
+    precision = _precision(recipe)
+    fp8_weights, fp8_kept = x.new_empty(0, dtype=torch.uint8), False
+    if precision == "fp8" or (precision == "fp8_bwd" and fp8_weight_cache and keep):
+        fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, recipe, _fp8_bytes(w13, recipe),
+                                                    fp8_weight_cache)
+    return _EpMoE.apply(x, topk_idx, topk_weights.to(torch.float32), w13c, w2c, group, max_tokens, validate, keep,
+                        recipe, fp8_weights, fp8_kept)

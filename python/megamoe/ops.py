@@ -443,9 +443,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     tensor autograd saves) or "recompute" (nothing beyond the inputs is saved).
     validate (or env MEGAMOE_CHECK=1): synchronise and raise device-found errors
     in this call. `group`: expert-parallel process group; with several ranks, w13
-    and w2 are this rank's E / P experts and the call is megamoe.ep's (CUDA, bf16,
-    save="keep"; max_tokens: the most tokens any rank brings, agreed at the
-    first call by default).
+    and w2 are this rank's E / P experts and the call is megamoe.ep's (CUDA,
+    save="keep", bf16 / fp8 / fp8_bwd; max_tokens: the most tokens any rank
+    brings, agreed at the first call by default).
     fp8_weight_cache (fp8 / fp8_bwd on CUDA): keep this layer's weights in e4m3
     between calls, quantised again only after they change (see "FP8 weights"
     in megamoe/ops.py); False: quantise them in every forward and backward and
@@ -464,10 +464,15 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     _check_shapes(x, topk_idx, topk_weights, w13, w2)
     _check_dtypes(x, topk_idx, topk_weights, w13, w2)
     if group is not None and getattr(group, "size", lambda: 1)() != 1:
-        if precision != "bf16" or save != "keep":
-            raise NotImplementedError("megamoe: expert parallelism runs precision='bf16', save='keep' so far")
+        if save != "keep":
+            raise NotImplementedError("megamoe: expert parallelism runs save='keep' (its backward needs the "
+                                      "forward's routing plan)")
+        if precision == "mxfp8":
+            raise NotImplementedError("megamoe: precision 'mxfp8' needs Blackwell tensor cores; expert parallelism "
+                                      "runs CUDA only")
         from .ep import moe_ep
-        return moe_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens=max_tokens, validate=validate)
+        return moe_ep(x, topk_idx, topk_weights, w13, w2, group, max_tokens=max_tokens, validate=validate,
+                      recipe=_recipe(precision, fp8_scale), fp8_weight_cache=fp8_weight_cache)
     orig = x.dtype
     # CPU float32 runs the reference's exact fp64 math; bf16 keeps the GPU's rounding.
     compute = torch.float64 if (not x.is_cuda and orig in (torch.float32, torch.float64)) else torch.bfloat16

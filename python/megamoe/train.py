@@ -221,9 +221,6 @@ def validate(cfg: TrainConfig) -> None:
         if cfg.precision == "mxfp8":
             raise ConfigError("trainer.model.moe.dispatch.precision = 'mxfp8' needs Blackwell tensor cores; "
                               "on Hopper it exists only as a CPU emulation")
-        if cfg.precision in ("fp8", "fp8_bwd") and cfg.ep > 1:
-            raise ConfigError(f"trainer.model.moe.dispatch.precision = {cfg.precision!r} with ep = {cfg.ep}: FP8 "
-                              "runs on one GPU so far (expert parallelism is bf16)")
         if cfg.dtype != "bfloat16":
             raise ConfigError("trainer.dtype must be 'bfloat16' for dispatch type 'mega_moe' on CUDA")
     if cfg.ep > 1:

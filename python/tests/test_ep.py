@@ -31,7 +31,7 @@ def _inputs(T, H, I, E, k, device, seed):
     return [t.to(device) for t in (x, idx, w, w13, w2, dy)]
 
 
-def _two_ranks(rank: int, init_file: str) -> None:
+def _two_ranks(rank: int, init_file: str, precision: str = "bf16") -> None:
     import torch.distributed as dist
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
@@ -48,9 +48,11 @@ def _two_ranks(rank: int, init_file: str) -> None:
             idx_a[::7, 1] = -1  # dropped routes
             # Two layers sharing one buffer, in training's order (forward a, forward b,
             # backward b, backward a), with a no-grad forward (an eval) in between.
+            # FP8: the second layer with power-of-two scales (the other recipe).
             def two_layers(x, wa, w13a, w2a, wb, w13b, w2b, ids_a, ids_b, group=None):
-                h = megamoe.moe(x, ids_a, wa, w13a, w2a, group=group)
-                return megamoe.moe(h, ids_b, wb, w13b, w2b, group=group)
+                h = megamoe.moe(x, ids_a, wa, w13a, w2a, group=group, precision=precision)
+                return megamoe.moe(h, ids_b, wb, w13b, w2b, group=group, precision=precision,
+                                   fp8_scale="fp32" if precision == "bf16" else "pow2")
 
             full = [t.clone().requires_grad_() for t in (x, w_a, w13_a, w2_a, w_b, w13_b, w2_b)]
             y1 = two_layers(*full, idx_a, idx_b)
@@ -67,24 +69,27 @@ def _two_ranks(rank: int, init_file: str) -> None:
                 sl = s if name.startswith("d_topk") else e
                 pairs[name] = (mine[i + 1].grad, full[i + 1].grad[sl])
             for name, (got, want) in pairs.items():
-                assert torch.equal(got, want), f"rank {rank}, call {call}: {name} differs from one GPU's"
+                assert torch.equal(got, want), f"rank {rank}, call {call}, {precision}: {name} differs from one GPU's"
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the 2-GPU machine runs it)")
-def test_cuda_ep2_is_bitwise_one_gpu_forward_and_backward(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
+def test_cuda_ep2_is_bitwise_one_gpu_forward_and_backward(tmp_path, precision):
     import torch.multiprocessing as mp
-    mp.spawn(_two_ranks, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), precision), nprocs=2, join=True)
 
 
 def test_ep_refuses_cpu_tensors_and_other_modes():
     x, idx, w, w13, w2, _ = _inputs(16, 128, 128, 4, 2, "cpu", seed=1)
     with pytest.raises(ValueError, match="CUDA tensors only"):
         megamoe.moe(x, idx, w, w13[:2], w2[:2], group=_FakeGroup(2))
-    with pytest.raises(NotImplementedError, match="precision='bf16', save='keep'"):
-        megamoe.moe(x, idx, w, w13[:2], w2[:2], group=_FakeGroup(2), save="recompute")
+    for kwargs, message in (({"save": "recompute"}, "runs save='keep'"),
+                            ({"precision": "mxfp8"}, "mxfp8' needs Blackwell")):
+        with pytest.raises(NotImplementedError, match=message):
+            megamoe.moe(x, idx, w, w13[:2], w2[:2], group=_FakeGroup(2), **kwargs)
     # A group of one rank is the one-GPU layer.
     y = megamoe.moe(x, idx, w, w13, w2, group=_FakeGroup(1))
     assert torch.equal(y, megamoe.moe(x, idx, w, w13, w2))
@@ -108,6 +113,27 @@ def test_ep_sizes_follow_the_layouts():
     assert a["symmetric"] > 2 * 1024 * 2048 * 2
     with pytest.raises(megamoe.MegaMoEError, match="not divisible by ep_size"):
         ep.sizes(2048, 768, 128, 8, world=3, max_tokens=1024)
+    # FP8: the owner's e4m3 operands in its scratch; the symmetric buffer (bf16 rows) and EP scratch as bf16's.
+    for recipe in ("fp8", "fp8_bwd", "fp8/pow2"):
+        f = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, recipe=recipe)
+        assert f["scratch"] > a["scratch"] and f["scratch"] % 256 == 0, (recipe, f, a)
+        assert (f["symmetric"], f["ep_scratch"], f["saved"]) == (a["symmetric"], a["ep_scratch"], a["saved"]), recipe
+    with pytest.raises(megamoe.MegaMoEError, match="mxfp8 needs Blackwell"):
+        ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, recipe="mxfp8")
+
+
+def test_ep_fp8_weight_bytes_are_this_ranks_experts():
+    """megamoe_fp8_weight_bytes with ep_size P: the buffer of one rank's E / P experts, which the Python
+    weight cache fills from w13 [E/P, 2I, H] as a one-GPU layer of E / P experts."""
+    import ctypes
+    from megamoe import _lib, ops
+    cfg = ops._config(2048, 768, 128, 8, "fp8", "keep", False)
+    one_rank = ctypes.c_uint64()
+    for world in (2, 4, 8):
+        cfg.ep_size = world
+        _lib.check(_lib.lib().megamoe_fp8_weight_bytes(ctypes.byref(cfg), ctypes.byref(one_rank)))
+        assert one_rank.value == ops.fp8_weight_bytes(2048, 768, 128 // world, 1, "fp8") > 0, world
+    assert ops.fp8_weight_bytes(2048, 768, 64, 1, "fp8") < ops.fp8_weight_bytes(2048, 768, 128, 1, "fp8")
 
 
 class _RankGroup(_FakeGroup):

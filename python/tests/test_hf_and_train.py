@@ -165,6 +165,25 @@ def test_cuda_ep2_training_follows_the_one_gpu_run(tmp_path):
     assert two[-1] < two[0] - 0.5, two  # and it learns
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the 2-GPU machine runs it)")
+def test_cuda_ep2_fp8_training_follows_the_one_gpu_fp8_run(tmp_path):
+    """precision fp8 with ep = 2 (the owners' GEMMs in e4m3) against one GPU in fp8 on the same global batch."""
+    root = Path(__file__).resolve().parents[2]
+    configs = {}
+    for name in ("tiny-cuda", "tiny-ep2"):
+        text = (root / "configs" / f"{name}.toml").read_text()
+        assert 'precision = "bf16"' in text, name
+        configs[name] = tmp_path / f"{name}-fp8.toml"
+        configs[name].write_text(text.replace('precision = "bf16"', 'precision = "fp8"'))
+    one = _losses(["megamoe.train", "--config", str(configs["tiny-cuda"])], tmp_path, "one")
+    two = _losses(["torch.distributed.run", "--nproc-per-node", "2", "-m", "megamoe.train", "--config",
+                   str(configs["tiny-ep2"])], tmp_path, "two")
+    assert len(one) == len(two) == 12
+    assert abs(one[0] - two[0]) < 1e-2 * abs(one[0]), (one, two)
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 0.03, (one, two)
+    assert two[-1] < two[0] - 0.5, two
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_fp8_training_tracks_bf16(tmp_path):
     """precision fp8 and fp8_bwd on the GPU: the same model, data and seed as bf16; the first loss of

@@ -47,8 +47,10 @@ struct EpArgs {
 };
 struct EpSizes {
   uint64_t symmetric_bytes, ep_scratch_bytes, scratch_bytes, saved_bytes;
+  uint64_t fp8_weights_bytes;  // this rank's E / P experts' FP8 weight buffer (0 for bf16)
 };
-Status cuda_ep_sizes(const MoeProblem& problem, int64_t max_tokens, bool will_backward, EpSizes* out);
+Status cuda_ep_sizes(const MoeProblem& problem, const MoeOptions& options, int64_t max_tokens, bool will_backward,
+                     EpSizes* out);
 Status cuda_ep_forward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
                        const TensorView& y, const EpArgs& ep, const MoeBuffers& buffers);
 Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,

@@ -89,6 +89,15 @@ megamoe::MoeBuffers buffers_of(const megamoe_buffer* saved, const megamoe_buffer
   return b;
 }
 
+// A layer's FP8 weights with expert parallelism are those of one rank's
+// E / P experts: the problem of that rank's experts on their own (ep_size 1).
+megamoe::MoeProblem rank_experts(megamoe::MoeProblem p) {
+  p.num_experts /= p.ep_size;  // validate_problem: divisible
+  p.ep_rank = 0, p.ep_size = 1;
+  p.top_k = 1;  // the weights do not depend on it, and it may exceed E / P
+  return p;
+}
+
 // Problem and options of one call; the token count comes from x.
 Status prepare_call(const megamoe_config* config, const TensorView& x, void* stream, megamoe::MoeProblem* p,
                     megamoe::MoeOptions* o) {
@@ -135,6 +144,7 @@ int megamoe_fp8_weight_bytes(const megamoe_config* config, uint64_t* bytes) {
     megamoe::MoeProblem p;
     megamoe::MoeOptions o;
     Status st = to_problem(config, 0, &p, &o);
+    if (st.ok()) p = rank_experts(p);
     megamoe::MoeBufferSizes sizes;
     if (st.ok()) st = megamoe::moe_buffer_sizes(p, o, true, &sizes);
     if (!st.ok()) return fail(st);
@@ -150,6 +160,7 @@ int megamoe_fill_fp8_weights(const megamoe_config* config, const megamoe_tensor*
     megamoe::MoeOptions o;
     Status st = to_problem(config, 0, &p, &o);
     if (!st.ok()) return fail(st);
+    p = rank_experts(p);
     if (fp8_weights == nullptr) return fail(megamoe::invalid_argument("fp8_weights: null"));
     o.cuda_stream = stream;
     return fail(megamoe::moe_fill_fp8_weights(p, o, view_of(w13), view_of(w2), buffers_of(nullptr, nullptr, fp8_weights)));
@@ -207,7 +218,7 @@ int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t w
     if (max_tokens < 0) return fail(megamoe::invalid_argument("max_tokens: must be >= 0"));
     Status st = to_problem(config, max_tokens, &p, &o);
     megamoe::detail::EpSizes sizes{};
-    if (st.ok()) st = megamoe::detail::cuda_ep_sizes(p, max_tokens, will_backward != 0, &sizes);
+    if (st.ok()) st = megamoe::detail::cuda_ep_sizes(p, o, max_tokens, will_backward != 0, &sizes);
     if (!st.ok()) return fail(st);
     if (symmetric_bytes != nullptr) *symmetric_bytes = sizes.symmetric_bytes;
     if (ep_scratch_bytes != nullptr) *ep_scratch_bytes = sizes.ep_scratch_bytes;
@@ -220,7 +231,7 @@ int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t w
 int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
                        const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights, const megamoe_tensor* w13,
                        const megamoe_tensor* w2, const megamoe_tensor* y, const megamoe_buffer* saved,
-                       const megamoe_buffer* scratch, void* stream) {
+                       const megamoe_buffer* scratch, const megamoe_fp8_weights* fp8_weights, void* stream) {
   return guarded([&] {
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
     megamoe::MoeProblem p;
@@ -228,7 +239,7 @@ int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* gro
     megamoe::detail::EpArgs a;
     const Status st = prepare_ep_call(config, group, in.x, stream, &p, &o, &a);
     if (!st.ok()) return fail(st);
-    return fail(megamoe::detail::cuda_ep_forward(p, o, in, view_of(y), a, buffers_of(saved, scratch)));
+    return fail(megamoe::detail::cuda_ep_forward(p, o, in, view_of(y), a, buffers_of(saved, scratch, fp8_weights)));
   });
 }
 
@@ -237,7 +248,7 @@ int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* gr
                         const megamoe_tensor* w13, const megamoe_tensor* w2, const megamoe_tensor* dy,
                         const megamoe_tensor* dx, const megamoe_tensor* d_topk_weights, const megamoe_tensor* dw13,
                         const megamoe_tensor* dw2, const megamoe_buffer* saved, const megamoe_buffer* scratch,
-                        void* stream) {
+                        const megamoe_fp8_weights* fp8_weights, void* stream) {
   return guarded([&] {
     const megamoe::MoeInputs in{view_of(x), view_of(topk_idx), view_of(topk_weights), view_of(w13), view_of(w2)};
     const megamoe::MoeGrads g{view_of(dx), view_of(d_topk_weights), view_of(dw13), view_of(dw2)};
@@ -246,7 +257,8 @@ int megamoe_ep_backward(const megamoe_config* config, const megamoe_ep_group* gr
     megamoe::detail::EpArgs a;
     const Status st = prepare_ep_call(config, group, in.x, stream, &p, &o, &a);
     if (!st.ok()) return fail(st);
-    return fail(megamoe::detail::cuda_ep_backward(p, o, in, view_of(dy), g, a, buffers_of(saved, scratch)));
+    return fail(
+        megamoe::detail::cuda_ep_backward(p, o, in, view_of(dy), g, a, buffers_of(saved, scratch, fp8_weights)));
   });
 }
 

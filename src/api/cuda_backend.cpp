@@ -30,9 +30,6 @@ Status check_cuda_problem(const MoeProblem& p, const MoeOptions& o, bool expert_
   if (o.precision == Precision::kMXFP8)
     return unimplemented("precision mxfp8 needs Blackwell tensor cores (1x32 E8M0 block scaling); on Hopper only the "
                          "CPU reference emulates it");
-  if (expert_parallel && o.precision != Precision::kBF16)
-    return unimplemented(std::string("precision ") + to_string(o.precision) +
-                         " with expert parallelism: the FP8 layer runs on one GPU so far (FP8 over NVLink is not built)");
   if (o.device_timeout_ms <= 0) return invalid_argument("device_timeout_ms: must be positive");
   return Status::Ok();
 }
@@ -183,21 +180,25 @@ cuda::DispatchLayout ep_layout(const MoeProblem& p, int64_t max_tokens) {
   return l;
 }
 
-LayerDims ep_owner(const MoeProblem& p, int64_t max_tokens) {
+// The owner's dims: every rank's max_tokens as virtual tokens, its E / P
+// experts, and the call's numerics (FP8: the owner's GEMMs, ep_layer.h).
+LayerDims ep_owner(const MoeProblem& p, const MoeOptions& o, int64_t max_tokens) {
   cuda::EpGroup g;
   g.layout = ep_layout(p, max_tokens), g.num_experts = p.num_experts;
-  return cuda::ep_owner_dims(g, p.intermediate);
+  LayerDims d = cuda::ep_owner_dims(g, p.intermediate);
+  d.precision = o.precision, d.fp8_scale = o.fp8_scale_mode;
+  return d;
 }
 
 // The group of one call; the saved buffer split into the owner's part (plan,
 // z: saved_layout) and ep_saved (ep_saved_layout), each 256-byte aligned.
-Status ep_call_parts(const MoeProblem& p, const EpArgs& a, const MoeBuffers& b, cuda::EpGroup* g,
-                     MoeBuffers* owner_buffers, void** ep_saved) {
+Status ep_call_parts(const MoeProblem& p, const MoeOptions& o, const EpArgs& a, const MoeBuffers& b,
+                     cuda::EpGroup* g, MoeBuffers* owner_buffers, void** ep_saved) {
   if (a.max_tokens < p.num_tokens)
     return capacity_error("EP: " + std::to_string(p.num_tokens) + " tokens on rank " + std::to_string(p.ep_rank) +
                           ", but the group's buffers hold max_tokens = " + std::to_string(a.max_tokens));
   EpSizes need;
-  MEGAMOE_RETURN_IF_ERROR(cuda_ep_sizes(p, a.max_tokens, b.saved != nullptr, &need));
+  MEGAMOE_RETURN_IF_ERROR(cuda_ep_sizes(p, o, a.max_tokens, b.saved != nullptr, &need));
   if (a.local == nullptr || a.peers == nullptr || a.bytes < need.symmetric_bytes)
     return invalid_argument("EP: the symmetric buffer is missing or smaller (" + std::to_string(a.bytes) +
                             " bytes) than the group needs (" + std::to_string(need.symmetric_bytes) + ")");
@@ -216,7 +217,7 @@ Status ep_call_parts(const MoeProblem& p, const EpArgs& a, const MoeBuffers& b, 
       return invalid_argument("saved: " + std::to_string(b.saved_bytes) + " bytes given, an EP call saves exactly " +
                               std::to_string(need.saved_bytes) + " (megamoe_ep_sizes)");
     SavedLayout s;
-    MEGAMOE_RETURN_IF_ERROR(saved_layout(ep_owner(p, a.max_tokens), &s));
+    MEGAMOE_RETURN_IF_ERROR(saved_layout(ep_owner(p, o, a.max_tokens), &s));
     owner_buffers->saved_bytes = s.bytes;
     *ep_saved = static_cast<char*>(b.saved) + align_buffer(s.bytes);
   }
@@ -225,18 +226,21 @@ Status ep_call_parts(const MoeProblem& p, const EpArgs& a, const MoeBuffers& b, 
 
 }  // namespace
 
-Status cuda_ep_sizes(const MoeProblem& p, int64_t max_tokens, bool will_backward, EpSizes* out) {
-  MEGAMOE_RETURN_IF_ERROR(validate_problem(p));
+Status cuda_ep_sizes(const MoeProblem& p, const MoeOptions& o, int64_t max_tokens, bool will_backward,
+                     EpSizes* out) {
+  MEGAMOE_RETURN_IF_ERROR(check_cuda_problem(p, o, true));
   if (max_tokens < 0) return invalid_argument("EP: max_tokens must be >= 0");
   if (p.top_k > 32) return invalid_argument("top_k = " + std::to_string(p.top_k) + " exceeds the CUDA limit of 32");
-  if (p.ep_size > 8) return invalid_argument("ep_size = " + std::to_string(p.ep_size) + ": 1 to 8 ranks");
   const cuda::DispatchLayout l = ep_layout(p, max_tokens);
-  const LayerDims owner = ep_owner(p, max_tokens);
+  const LayerDims owner = ep_owner(p, o, max_tokens);
   ScratchLayout sl;
   MEGAMOE_RETURN_IF_ERROR(scratch_layout(owner, !will_backward, &sl));
   out->symmetric_bytes = l.bytes();
   out->ep_scratch_bytes = cuda::ep_scratch_layout(l).bytes;
   out->scratch_bytes = sl.bytes_without_slots;  // the owner's slot rows go to the sources
+  Fp8WeightLayout wl;
+  MEGAMOE_RETURN_IF_ERROR(fp8_weight_layout(owner, &wl));  // its E / P experts' (0 for bf16)
+  out->fp8_weights_bytes = wl.bytes;
   out->saved_bytes = 0;
   if (will_backward) {
     SavedLayout s;
@@ -252,8 +256,8 @@ Status cuda_ep_forward(const MoeProblem& problem, const MoeOptions& options, con
   MoeBuffers owner_buffers;
   void* ep_saved = nullptr;
   MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
-  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, ep, buffers, &g, &owner_buffers, &ep_saved));
-  const LayerDims owner = ep_owner(problem, ep.max_tokens);
+  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, options, ep, buffers, &g, &owner_buffers, &ep_saved));
+  const LayerDims owner = ep_owner(problem, options, ep.max_tokens);
   cuda::LayerCall call;
   MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, owner_buffers, &call, &owner));
   MEGAMOE_RETURN_IF_ERROR(check_output("y", y, problem.num_tokens, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
@@ -271,9 +275,9 @@ Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, co
   void* ep_saved = nullptr;
   MEGAMOE_RETURN_IF_ERROR(validate_problem(problem));
   if (buffers.saved == nullptr) return invalid_argument("EP backward: needs the saved buffer its forward wrote");
-  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, ep, buffers, &g, &owner_buffers, &ep_saved));
+  MEGAMOE_RETURN_IF_ERROR(ep_call_parts(problem, options, ep, buffers, &g, &owner_buffers, &ep_saved));
   if (ep.epoch == ~uint32_t{0}) return invalid_argument("EP backward: needs epochs epoch and epoch + 1");
-  const LayerDims owner = ep_owner(problem, ep.max_tokens);
+  const LayerDims owner = ep_owner(problem, options, ep.max_tokens);
   cuda::LayerCall call;
   MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, owner_buffers, &call, &owner));
   cuda::LayerGrads lg;

@@ -23,7 +23,7 @@ Status cuda_fill_fp8_weights(const MoeProblem&, const MoeOptions&, const TensorV
   return no_cuda();
 }
 Status cuda_peer_check(int, const PeerViewArgs&, void*, int64_t*) { return no_cuda(); }
-Status cuda_ep_sizes(const MoeProblem&, int64_t, bool, EpSizes*) { return no_cuda(); }
+Status cuda_ep_sizes(const MoeProblem&, const MoeOptions&, int64_t, bool, EpSizes*) { return no_cuda(); }
 Status cuda_ep_forward(const MoeProblem&, const MoeOptions&, const MoeInputs&, const TensorView&, const EpArgs&,
                        const MoeBuffers&) {
   return no_cuda();
