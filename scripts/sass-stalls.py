@@ -33,10 +33,20 @@ def main(path, top=40):
     print("samples by opcode:")
     for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  {op:<28} {n:9.0f} {100 * n / max(total, 1):5.1f}%")
-    print(f"top {top} instructions:")
+    # Per-reason columns (stall_*, not the "(Not Issued)" copies), when the table has them.
+    reasons = [(i, c[len("stall_"):]) for i, c in enumerate(head) if c.startswith("stall_") and "Not Issued" not in c]
+    if reasons:
+        print("samples by reason:")
+        sums = {name: sum(number(r[i]) or 0 for r in body if len(r) > i) for i, name in reasons}
+        for name, n in sorted(sums.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {name:<28} {n:9.0f} {100 * n / max(total, 1):5.1f}%")
+    print(f"top {top} instructions (index in the table, samples, main reasons):")
+    order = {id(r): k for k, r in enumerate(body)}
     for r in sorted((r for r in body if len(r) > samp), key=lambda r: -(number(r[samp]) or 0))[:top]:
         n = number(r[samp]) or 0
-        print(f"  {r[addr] if addr is not None else '':>8} {n:8.0f} {100 * n / max(total, 1):5.1f}%  {r[src].strip()[:90]}")
+        why = sorted(((number(r[i]) or 0, name) for i, name in reasons), reverse=True)[:2]
+        why_s = " ".join(f"{name} {v:.0f}" for v, name in why if v > 0)
+        print(f"  #{order[id(r)]:<5} {n:8.0f} {100 * n / max(total, 1):5.1f}%  {r[src].strip()[:60]:<60} {why_s}")
     print("column totals:")
     for i, c in enumerate(head):
         vals = [number(r[i]) for r in body if len(r) > i]
