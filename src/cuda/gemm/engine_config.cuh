@@ -81,10 +81,10 @@ struct ModeTraits {
 };
 
 // The stages a kernel keeps in shared memory: the FP8 kernels' split rings
-// (pipeline.cuh) use two rings of kStages / 2, so kDownGrad leaves its
-// unused fifth stage out.
+// (pipeline.cuh) use two rings of kStages / 2, so with a scale ring
+// kDownGrad leaves its unused fifth stage out (or it would not fit).
 template <GemmMode M, bool kFp8, bool kRing>
-inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
+inline constexpr int kStagesUsed = kFp8 && kRing ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
 
 // The scale ring: the producer brings each k-block's scales into a slot
 // beside its stage, read from shared memory by the promotion. FP8
@@ -99,27 +99,12 @@ inline constexpr bool has_scale_ring = kFp8 && (M == GemmMode::kWeightGrad || kA
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 
-// The M-grouped FP8 modes' A-scale prefetch: each consumer thread copies the
-// 4 row scales its promotion needs for the next k-block into shared memory
-// by cp.async while it works on this one, so their L2 latency is not waited
-// for (Nsight Compute, session 24: 7% of FP8 kGateUp's stall samples on the
-// first use of a scale; a tile's scale lines, 128 B a row, do not stay in
-// the L1 that 227 KB of shared memory leaves). Floats [consumer 2][slot
-// 2][value 4][thread 128]: a warp's 32 lanes read 32 consecutive words.
-// (kARing kernels bring A's scales with the stage, and have the area unused.)
-inline constexpr int kPrefetchValues = 4;
-template <GemmMode M, bool kFp8>
-inline constexpr int kScalePrefetchBytes =
-    kFp8 && M != GemmMode::kWeightGrad ? 2 * 2 * kPrefetchValues * kConsumerThreads * 4 : 0;
-
-// Shared memory: [align pad][stages used][scale ring][scale prefetch][epilogue buffer x 2][mbarriers: full,
-// empty (kStages each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
+// Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
+// each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
-                                  kScalePrefetchBytes<M, kFp8> + 2 * ModeTraits<M>::kEpilogueBytes +
-                                  ModeTraits<M>::kBarriers * 8 + 2 * kBlockM * 4 + 16;
-static_assert(kScalePrefetchBytes<GemmMode::kGateUp, true> % 1024 == 0,
-              "the epilogue buffers after the prefetch area keep the 1024-byte alignment");
+                                  2 * ModeTraits<M>::kEpilogueBytes + ModeTraits<M>::kBarriers * 8 +
+                                  2 * kBlockM * 4 + 16;
 template <GemmMode M>
 constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)
   constexpr int kMax = 227 * 1024;  // what an H100 / H200 CTA may use

@@ -93,14 +93,11 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // layout, whose transposed copy is this B).
 // kARing (M-grouped, a_scales_by_k_block): A's row scales come from the
 // stage's scale-ring slot, as kWeightGrad's do, instead of global memory.
-// Otherwise (by-row scales) A's arrive a k-block ahead, by cp.async into
-// this consumer's `prefetch` slots (kScalePrefetchBytes).
 // false: a wait gave up (reported); the stage's wgmmas are retired.
 template <GemmMode M, bool kBT, bool kARing, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
-                                              const float* scale_ring, float* prefetch, const StageRing<S>& ring,
-                                              const BoundedWait& waits, PipelineState<S>& ps, float (&acc)[2][64],
-                                              Release&& release) {
+                                              const float* scale_ring, const StageRing<S>& ring, const BoundedWait& waits,
+                                              PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
   static_assert(M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kWeightGrad ||
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
@@ -133,40 +130,17 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   } else if constexpr (!kWgrad) {
     sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
   }
-  // A's row scales come a k-block ahead (kARing: through the stage instead).
-  // Slot (kb & 1) of this thread's, value 2 h + q (row 64 h + 8 q) at
-  // [value][thread] (32-bit shared addresses, 512 bytes a value row).
-  constexpr bool kPrefetchA = !kWgrad && !kARing;
-  const uint32_t my_prefetch = smem_u32(prefetch + (threadIdx.x & 127));
-  constexpr uint32_t kSlotBytes = kPrefetchValues * 128 * 4;
-  auto prefetch_a_scales = [&](int kb) {
-    const uint32_t slot = my_prefetch + (kb & 1) * kSlotBytes;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) cp_async_4(slot + (2 * h + q) * 512, p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
-    cp_async_commit_group();
-  };
-  if constexpr (kPrefetchA) prefetch_a_scales(0);
   float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-    // B's scales (one line per tile and k-blocks, L1 keeps it): loads that fly while the stage is waited for.
+    // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
     float a_s[2][2];
     if constexpr (!kWgrad) b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
-    if constexpr (kPrefetchA) {
-      // The next k-block's start to come; this one's have come (every group but the newest done).
-      if (kb + 1 < tile.k_blocks) {
-        prefetch_a_scales(kb + 1);
-        cp_async_wait_group<1>();
-      } else {
-        cp_async_wait_group<0>();
-      }
-      const uint32_t slot = my_prefetch + (kb & 1) * kSlotBytes;
+    if constexpr (!kWgrad && !kARing) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a_s[h][q] = ld_shared_f32(slot + (2 * h + q) * 512);
+        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad, kARing
@@ -233,10 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
   constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStageBytes;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
-  // The M-grouped FP8 modes' scale prefetch [consumer][slot][value][thread] f32 (kScalePrefetchBytes).
-  float* scale_prefetch = reinterpret_cast<float*>(smem + kStageArea + kRingBytes);
-  uint8_t* epilogue_base =  // [2][Tr::kEpilogueBytes], one per consumer
-      smem + kStageArea + kRingBytes + kScalePrefetchBytes<M, kFp8>;
+  uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][Tr::kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
@@ -426,9 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      float* my_prefetch = scale_prefetch + cw * (kScalePrefetchBytes<M, kFp8> / 8);
-      if (!fp8_main_loop<M, kBT, kARing>(p, tile, my_stages, my_scales, my_prefetch, my_ring, waits, ps, acc,
-                                         release)) {
+      if (!fp8_main_loop<M, kBT, kARing>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
       }

@@ -142,26 +142,6 @@ template <int N>
 __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
-// A 4-byte copy from global to shared memory (cp.async, through L1), in this
-// thread's current cp.async group; the group's copies are visible to this
-// thread once cp_async_wait_group lets it past. cp_async_4 and ld_shared_f32
-// have no memory clobber (registers): as volatile asm they keep their order
-// with each other and with the wait, which is all a thread's own slots need.
-__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_dst), "l"(gmem_src));
-}
-// A float from shared memory at a 32-bit shared address (after cp_async_wait_group).
-__device__ __forceinline__ float ld_shared_f32(uint32_t smem_src) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_src));
-  return v;
-}
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most N of this thread's cp.async groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // Orders this thread's generic-proxy shared-memory writes before later
 // async-proxy accesses (a TMA store reading them, a TMA load overwriting them).
 __device__ __forceinline__ void fence_proxy_async_shared() {
