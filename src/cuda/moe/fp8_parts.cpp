@@ -19,23 +19,6 @@ void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const 
   g.b = b, g.b_scales = b_scales;
 }
 
-// The pool operands' row scales (x, a, dy, dz) are laid out by k-block
-// ([K / 128, capacity]): the M-grouped GEMMs then bring a tile's 128 scales
-// with each stage instead of loading them from global memory in the main
-// loop. Measured (gemm-bench, session 24, 235B / 30B, us): kGateUp 4652 ->
-// 4203 / 1214 -> 1179, kDown 2521 -> 2243 / 692 -> 658, kDownGrad 2831 ->
-// 2581 / 854 -> 805, kGateUpGrad 4717 -> 4268 / 1256 -> 1232, against ~9%
-// more in the row quantizers that write the scales transposed (~0.2 / 0.1
-// ms a step).
-constexpr RowScales kPoolScales = RowScales::kByKBlock;
-
-// An M-grouped GEMM on an e4m3 pool operand (kPoolScales) and e4m3 weights.
-void use_fp8_pool(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const uint8_t* b,
-                  const float* b_scales) {
-  use_fp8(g, a, a_scales, b, b_scales);
-  g.a_scales_by_k_block = kPoolScales == RowScales::kByKBlock;
-}
-
 }  // namespace
 
 bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
@@ -77,13 +60,13 @@ Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& 
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
   if (rows_in_pool)
-    MEGAMOE_RETURN_IF_ERROR(
-        quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream, kPoolScales, plan.pool_rows));
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
   else
     MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(x, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.x_q,
-                                                      f.x_s, nullptr, call.stream, kPoolScales));
+                                                      f.x_s, nullptr, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
-  use_fp8_pool(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
+  use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);
 }
@@ -94,9 +77,9 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
   MEGAMOE_RETURN_IF_ERROR(
-      quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream, kPoolScales, plan.pool_rows));
+      quantize_e4m3_rows(c.a_pool, C, I, sc, f.a_q, f.a_s, call.stream, RowScales::kByRow, plan.pool_rows));
   GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, w2, E * H, I, H);
-  use_fp8_pool(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
+  use_fp8(g, f.a_q, f.a_s, f.w2_q, f.w2_s);
   g.topk_weights = topk_weights;
   g.out0 = c.slots;
   if (peer != nullptr) g.peer_slots = *peer;
@@ -112,13 +95,13 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
   // dy gathered into the pool (bf16: the dW2 operand) and quantised on the way.
   if (rows_in_pool)
-    MEGAMOE_RETURN_IF_ERROR(
-        quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream, kPoolScales, plan.pool_rows));
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
   else
     MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.dy_q,
-                                                      f.dy_s, c.xdy_pool, call.stream, kPoolScales));
+                                                      f.dy_s, c.xdy_pool, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
-  use_fp8_pool(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
+  use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
   gd.b_k_major = true;
   gd.topk_weights = topk_weights;
   gd.z_pool = c.pv.z_pool;
@@ -129,19 +112,16 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   // scales by a pass over the dz pool, as the epilogue's division made
   // kDownGrad 330 / 600 us slower than the pass (perf-log, session 23).
   const bool dz_in_epilogue = sc == Fp8Scale::kPowerOfTwo;
-  if (dz_in_epilogue) {
-    gd.dz_q = f.dz_q, gd.dz_s = f.dz_s, gd.dz_scale = sc;
-    gd.dz_scales_by_k_block = kPoolScales == RowScales::kByKBlock;
-  }
+  if (dz_in_epilogue) gd.dz_q = f.dz_q, gd.dz_s = f.dz_s, gd.dz_scale = sc;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
   // dx slots = dz @ w13[e]: K = 2I; B = w13[e]^T as [E * H, 2I].
   if (!dz_in_epilogue)
-    MEGAMOE_RETURN_IF_ERROR(
-        quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream, kPoolScales, plan.pool_rows));
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.dz_pool, C, 2 * I, sc, f.dz_q, f.dz_s, call.stream, RowScales::kByRow,
+                                               plan.pool_rows));
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * H, 2 * I, H);
-  use_fp8_pool(gx, f.dz_q, f.dz_s, f.w13_t, f.w13_s);
+  use_fp8(gx, f.dz_q, f.dz_s, f.w13_t, f.w13_s);
   gx.b_k_major = true;
   gx.out0 = c.slots;
   if (dx_peer_slots != nullptr) gx.peer_slots = *dx_peer_slots;

@@ -1,7 +1,6 @@
 // The FP8 steps of the one-GPU layer (cuda_layer.cu), DeepSeek-V3's recipe as
 // the CPU reference emulates it (reference/numerics.h): e4m3 operands, 1 x 128
-// row tiles along K for activations and output gradients (their scales laid
-// out by k-block for the M-grouped GEMMs, fp8_parts.cpp), 128 x 128 blocks for
+// row tiles along K for activations and output gradients, 128 x 128 blocks for
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
 // x and dy are quantised as they are gathered into the pool (and x^T, dW13's
