@@ -63,7 +63,8 @@ struct ModeTraits {
   static constexpr bool kBMnMajor =
       M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kWeightGrad;
   // Each consumer has an epilogue buffer of its own: the bf16 staging tile of
-  // the modes that store their output rows from it by bulk copies (kStaged), or
+  // the modes that store their output rows from it (kStaged: bulk copies in
+  // bf16, 16-byte stores in FP8, epilogues.cuh store_rows), or
   // kDownGrad's z chunk, which TMA loads the saved z into and its outputs
   // are stored from (kZChunks); kWeightGrad writes straight from registers.
   static constexpr bool kStaged = M == GemmMode::kGateUp || M == GemmMode::kDown || M == GemmMode::kGateUpGrad;

@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
     if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
-    if (!Epilogue<M>{}(p, tile, acc, ctx)) {
+    if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
       bulk_wait_group<0>();
       return;
     }
@@ -543,7 +543,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       return internal_error("grouped GEMM: peer_slots.tokens_per_rank must split the plan's virtual tokens into 1 to 8 "
                             "ranks");
     if (ps.offset % 16 != 0 || (args.n * 2) % 16 != 0)
-      return internal_error("grouped GEMM: peer slot rows must be 16-byte aligned (bulk stores)");
+      return internal_error("grouped GEMM: peer slot rows must be 16-byte aligned (16-byte stores)");
   }
   if (args.fp8) {
     if ((args.mode == GemmMode::kDownGrad || args.mode == GemmMode::kGateUpGrad) && !args.b_k_major)
