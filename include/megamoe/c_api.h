@@ -116,7 +116,8 @@ int megamoe_ep_sizes(const megamoe_config* config, int64_t max_tokens, int32_t w
 /* As megamoe_forward / megamoe_backward, over the group (save policy keep).
  * FP8 (fp8 / fp8_bwd): the owner's GEMMs run in e4m3 with this rank's FP8
  * weights (megamoe_fp8_weight_bytes with ep_size > 1), bitwise the one-GPU
- * FP8 layer on the whole batch; the rows cross NVLink in bf16. */
+ * FP8 layer on the whole batch; fp8's forward sends its rows in e4m3 with
+ * their scales, the backward's rows are bf16. */
 int megamoe_ep_forward(const megamoe_config* config, const megamoe_ep_group* group, const megamoe_tensor* x,
                        const megamoe_tensor* topk_idx, const megamoe_tensor* topk_weights, const megamoe_tensor* w13,
                        const megamoe_tensor* w2, const megamoe_tensor* y, const megamoe_buffer* saved,

@@ -19,7 +19,8 @@ The forward keeps what the backward needs in a tensor autograd saves (the
 owner's routing plan, z, and its routes' weights); y, dx, d topk_w, dW13 and
 dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h),
 in bf16 and in FP8 (fp8 / fp8_bwd: the owners' GEMMs in e4m3 with this rank's
-experts' FP8 weights, cached as on one GPU; the rows cross NVLink in bf16).
+experts' FP8 weights, cached as on one GPU; fp8's forward sends its rows in
+e4m3 with their scales, the backward's rows are bf16).
 CUDA, save="keep" only.
 
 Limits, and what goes wrong otherwise:

@@ -475,6 +475,14 @@ TEST(Dispatch, BadArgumentsAreErrorsBeforeAnyWrite) {
   st = cuda::dispatch_push(v, layout, a, nullptr);
   EXPECT_NE(st.message().find("epoch 0"), std::string::npos) << st.to_string();
   a.epoch = 1;
+  for (int64_t bad : {int64_t{8}, int64_t{-16}, int64_t{272}}) {  // not whole 16-byte pieces, negative, past the slot
+    a.row_bytes = bad;
+    st = cuda::dispatch_push(v, layout, a, nullptr);
+    EXPECT_NE(st.message().find("row_bytes = " + std::to_string(bad) + " must be a multiple of 16 no larger than a slot"),
+              std::string::npos)
+        << st.to_string();
+  }
+  a.row_bytes = 0;
   v.bytes = layout.bytes() - 1;
   st = cuda::dispatch_push(v, layout, a, nullptr);
   EXPECT_NE(st.message().find("symmetric buffer has"), std::string::npos) << st.to_string();

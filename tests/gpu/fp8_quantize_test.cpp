@@ -168,6 +168,28 @@ void expect_row_tiles_match(int64_t rows, int64_t cols, ScaleKind kind, cuda::Fp
     for (int64_t t = 0; t < tiles; ++t)
       by_k_block_differ += float_bits(s_kb[static_cast<size_t>(t * rows + r)]) != float_bits(s[static_cast<size_t>(r * tiles + t)]);
   EXPECT_EQ(by_k_block_differ, 0) << rows << " x " << cols << ", scales by k-block";
+  // Into a dispatch's slots (expert parallelism's e4m3 rows): row r's bytes at r * slot_bytes, its
+  // scales right after them, the rest of the slot untouched.
+  const int64_t slot_bytes = 2 * cols;  // a bf16 row's slot
+  Dev<uint8_t> slots(static_cast<size_t>(rows * slot_bytes));
+  ASSERT_EQ(cudaMemset(slots.p, 0xAB, static_cast<size_t>(rows * slot_bytes)), cudaSuccess);
+  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows_to_slots(dx.p, rows, cols, gpu_kind, slots.p, slot_bytes, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto sl = slots.get(static_cast<size_t>(rows * slot_bytes));
+  int64_t slot_bytes_differ = 0, slot_scales_differ = 0, slot_rest_written = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = sl.data() + r * slot_bytes;
+    for (int64_t c = 0; c < cols; ++c) slot_bytes_differ += row[c] != q[static_cast<size_t>(r * cols + c)];
+    for (int64_t t = 0; t < tiles; ++t) {
+      float v;
+      std::memcpy(&v, row + cols + 4 * t, 4);
+      slot_scales_differ += float_bits(v) != float_bits(s[static_cast<size_t>(r * tiles + t)]);
+    }
+    for (int64_t b = cols + 4 * tiles; b < slot_bytes; ++b) slot_rest_written += row[b] != 0xAB;
+  }
+  EXPECT_EQ(slot_bytes_differ, 0) << rows << " x " << cols << ", into slots";
+  EXPECT_EQ(slot_scales_differ, 0) << rows << " x " << cols << ", into slots: the scales";
+  EXPECT_EQ(slot_rest_written, 0) << rows << " x " << cols << ", into slots: written past a row's scales";
   // Only the first used rows (a pool's, read on the device): the same bytes and scales there, nothing past.
   const int32_t used = static_cast<int32_t>(rows / 2);
   const UsedRowsRun run(used, x.size(), static_cast<size_t>(rows * tiles));
@@ -474,6 +496,15 @@ TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
   const Status no_k =
       cuda::gather_quantize_e4m3_cols_t(&x, 128, &src, 0, &used, 128, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
   EXPECT_NE(no_k.message().find("top_k = 0"), std::string::npos) << no_k.message();
+  // A slot must hold a row's bytes and scales (e4m3_slot_bytes), in 16-byte pieces.
+  EXPECT_EQ(cuda::e4m3_slot_bytes(2048), 2048 + 64);
+  EXPECT_EQ(cuda::e4m3_slot_bytes(128), 144);
+  const Status small_slot = cuda::quantize_e4m3_rows_to_slots(&x, 1, 256, cuda::Fp8Scale::kFloat32, &q, 256, nullptr);
+  EXPECT_NE(small_slot.message().find("slot_bytes = 256 must be a multiple of 16 holding 272"), std::string::npos)
+      << small_slot.message();
+  const Status no_rows = cuda::quantize_e4m3_rows_to_slots(nullptr, 0, 256, cuda::Fp8Scale::kFloat32, nullptr, 512,
+                                                           nullptr);  // no rows: nothing to do
+  EXPECT_TRUE(no_rows.ok()) << no_rows.message();
 }
 
 }  // namespace

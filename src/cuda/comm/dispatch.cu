@@ -15,7 +15,7 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t chunks = layout.slot_bytes() / 16;  // 16-byte pieces of a row
+  const int64_t chunks = (a.row_bytes > 0 ? a.row_bytes : layout.slot_bytes()) / 16;  // 16-byte pieces of a row
   const int k = layout.top_k;
   for (int64_t t = warp; t < a.tokens; t += warps) {
     // The ranks this token goes to: one bit per rank, from its k expert ids.
@@ -71,6 +71,10 @@ Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const Disp
     return invalid_argument("dispatch: top_k = " + std::to_string(layout.top_k) + " is not in [1, 32]");
   if (a.experts_per_rank < 1) return invalid_argument("dispatch: experts_per_rank must be >= 1");
   if (a.epoch == 0) return invalid_argument("dispatch: epoch 0 is the flags' initial value; start at 1");
+  if (a.row_bytes < 0 || a.row_bytes % 16 != 0 || a.row_bytes > static_cast<int64_t>(layout.slot_bytes()))
+    return invalid_argument("dispatch: row_bytes = " + std::to_string(a.row_bytes) +
+                            " must be a multiple of 16 no larger than a slot (" + std::to_string(layout.slot_bytes()) +
+                            " bytes)");
   // A rank without tokens still raises its flags (its empty tensors may be null).
   if ((a.tokens > 0 && (a.x == nullptr || a.topk_idx == nullptr)) || a.blocks_done == nullptr)
     return invalid_argument("dispatch: a pointer is null");

@@ -14,7 +14,12 @@
 //   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
 //   byte 128                tokens u32 [world]: rank s's token count in that call
 //   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
-//                           token t of rank s (written only where it must go)
+//                           token t of rank s (written only where it must go);
+//                           in an FP8 forward, the slot's first
+//                           e4m3_slot_bytes(hidden) bytes hold the row in e4m3
+//                           and its hidden / 128 f32 scales after (fp8/quantize.h;
+//                           the source quantises its rows into its own slots
+//                           [own rank][t], unused otherwise, and pushes those bytes)
 //   byte ids_offset()       ids i32 [world][max_tokens][top_k]: the routing of
 //                           every token of rank s (-1 = no route)
 //   byte weights_offset()   weights f32 [world][max_tokens][top_k]: their routing
@@ -28,7 +33,7 @@
 //                           (cuda/comm/combine.h)
 //   byte route_values_offset()   (128-aligned) f32 [own tokens][top_k]: one value per
 //                           route returned with them (the backward's d topk_w)
-// Slots [own rank][...] stay unused. Capacity: max_tokens slots per source and
+// Slots [own rank][...] are unused, except as an FP8 forward's own e4m3 rows. Capacity: max_tokens slots per source and
 // a token goes at most once to a rank, so nothing can overflow; tokens >
 // max_tokens is an error before any write. Expert e lives on rank
 // e / experts_per_rank.
@@ -89,7 +94,11 @@ struct DispatchLayout {
 // seen every owner's return flag, which each owner raises after its last
 // read of call N's data.
 struct DispatchArgs {
-  const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens
+  const void* x = nullptr;            // bf16 [tokens, hidden], this rank's tokens (row stride slot_bytes())
+  // Bytes of each row pushed (a multiple of 16, at most slot_bytes()); 0: the
+  // whole row. An FP8 forward pushes its e4m3 slots (e4m3_slot_bytes(hidden)),
+  // x then pointing at its own slots [own rank][0].
+  int64_t row_bytes = 0;
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
   const float* topk_weights = nullptr;  // [tokens, layout.top_k] or null: sent to every rank, this one too
   int64_t tokens = 0;

@@ -91,7 +91,56 @@ __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer,
   }
 }
 
+// The e4m3 form: per pool row, hidden / 16 pieces of its bytes, then its
+// hidden / 128 scales one by one (items of a row: bytes first).
+__global__ void gather_ep_rows_e4m3_kernel(DispatchLayout layout, const char* buffer, const int32_t* row_src,
+                                           const int32_t* pool_rows, int64_t capacity, const int64_t* source_counts,
+                                           uint4* q, float* scales) {
+  const int64_t pieces = layout.hidden / 16, groups = layout.hidden / 128, items = pieces + groups;
+  const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
+  const int k = layout.top_k;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < rows * items;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / items, c = i % items;
+    const int32_t v = row_src[r];
+    const char* slot = nullptr;  // null: a padding row (zeros, scale 1: a zero tile's) or a missing one (NaN)
+    bool missing = false;
+    if (v >= 0) {
+      const int s = static_cast<int>(v / k / layout.max_tokens);
+      const int64_t t = v / k % layout.max_tokens;
+      missing = source_counts != nullptr && t >= source_counts[s];
+      if (!missing) slot = buffer + layout.slot_offset(s, t);
+    }
+    if (c < pieces) {
+      q[r * pieces + c] = slot != nullptr ? reinterpret_cast<const uint4*>(slot)[c]
+                                          : missing ? make_uint4(~0u, ~0u, ~0u, ~0u) : make_uint4(0, 0, 0, 0);
+    } else {
+      const int64_t g = c - pieces;
+      scales[r * groups + g] = slot != nullptr ? reinterpret_cast<const float*>(slot + layout.hidden)[g]
+                                               : missing ? __int_as_float(-1) : 1.0f;
+    }
+  }
+}
+
 }  // namespace
+
+Status gather_ep_rows_e4m3(const DispatchLayout& layout, const void* buffer, const int32_t* row_src,
+                           const int32_t* pool_rows, int64_t capacity, uint8_t* q, float* scales, cudaStream_t stream,
+                           const int64_t* source_counts) {
+  if (layout.hidden <= 0 || layout.hidden % 128 != 0 || layout.top_k < 1)
+    return invalid_argument("EP e4m3 gather: hidden must be a positive multiple of 128 and top_k >= 1");
+  if (buffer == nullptr || row_src == nullptr || pool_rows == nullptr || q == nullptr || scales == nullptr)
+    return invalid_argument("EP e4m3 gather: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(buffer) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(scales) % 4 != 0)
+    return invalid_argument("EP e4m3 gather: the pool and the symmetric buffer must be 16-byte aligned");
+  const int64_t work = capacity * (layout.hidden / 16 + layout.hidden / 128);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096));
+  gather_ep_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      layout, static_cast<const char*>(buffer), row_src, pool_rows, capacity, source_counts,
+      reinterpret_cast<uint4*>(q), scales);
+  return cuda_status("EP e4m3 gather", cudaGetLastError());
+}
 
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,

@@ -59,4 +59,14 @@ Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
                       cudaStream_t stream, const int64_t* source_counts = nullptr);
 
+// The FP8 forward's form: the pool's e4m3 rows q [capacity, hidden] and
+// their row scales [capacity, hidden / 128] from the slots' e4m3 form
+// (dispatch.h), this rank's own rows included (its own slots): bitwise what
+// gather_quantize_e4m3_rows makes of x on one GPU. Padding rows get zeros and
+// scale 1 (what the quantizer gives a zero tile); a row its source did not
+// deliver, NaN bytes and a NaN scale. Rows past *pool_rows are not touched.
+Status gather_ep_rows_e4m3(const DispatchLayout& layout, const void* buffer, const int32_t* row_src,
+                           const int32_t* pool_rows, int64_t capacity, uint8_t* q, float* scales, cudaStream_t stream,
+                           const int64_t* source_counts = nullptr);
+
 }  // namespace megamoe::cuda

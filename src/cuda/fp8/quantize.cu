@@ -63,6 +63,28 @@ struct RowsSource {
   }
   __device__ const __nv_bfloat16* tile(int64_t t) const { return x + t * kTile; }
   __device__ void copy(int64_t, int, uint4) const {}
+  __device__ uint8_t* q_tile(uint8_t* q, int64_t t) const { return q + t * kTile; }
+  __device__ float* scale_of(float* scales, int64_t t) const { return scales + scale_at(t); }
+};
+// Consecutive rows of x into a dispatch's e4m3 slots (quantize_e4m3_rows_to_slots):
+// row r's q at slots + r * slot_bytes, its scales right after its cols bytes.
+struct RowsToSlotsSource {
+  const __nv_bfloat16* x;
+  int64_t tiles;
+  uint32_t segs;  // tiles per row: cols / 128; tile indices fit 32 bits (checked at launch)
+  int64_t slot_bytes;
+  __device__ int64_t count() const { return tiles; }
+  __device__ const __nv_bfloat16* tile(int64_t t) const { return x + t * kTile; }
+  __device__ void copy(int64_t, int, uint4) const {}
+  __device__ uint8_t* q_tile(uint8_t* slots, int64_t t) const {
+    const uint32_t t32 = static_cast<uint32_t>(t), r = t32 / segs;
+    return slots + r * slot_bytes + (t32 - r * segs) * kTile;
+  }
+  __device__ float* scale_of(float* slots, int64_t t) const {
+    const uint32_t t32 = static_cast<uint32_t>(t), r = t32 / segs;
+    return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(slots) + r * slot_bytes + segs * kTile) +
+           (t32 - r * segs);
+  }
 };
 struct GatherSource {
   const __nv_bfloat16* x;
@@ -81,6 +103,8 @@ struct GatherSource {
   __device__ void copy(int64_t t, int hl, uint4 v) const {
     if (pool != nullptr) pool[t * (kTile / 8) + hl] = v;
   }
+  __device__ uint8_t* q_tile(uint8_t* q, int64_t t) const { return q + t * kTile; }
+  __device__ float* scale_of(float* scales, int64_t t) const { return scales + scale_at(t); }
 };
 
 template <typename Source>
@@ -116,8 +140,8 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
 #pragma unroll
       for (int i = 0; i < 8; ++i) (i < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * (i % 4));
       if (t < tiles) {
-        reinterpret_cast<uint2*>(q + t * kTile)[hl] = packed;
-        if (hl == 0) scales[src.scale_at(t)] = s;
+        reinterpret_cast<uint2*>(src.q_tile(q, t))[hl] = packed;
+        if (hl == 0) *src.scale_of(scales, t) = s;
         src.copy(t, hl, raw[u]);
       }
     }
@@ -334,6 +358,29 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
   quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
       RowsSource{static_cast<const __nv_bfloat16*>(x), tiles, at, used_rows}, scale, q, scales);
   return cuda_status("fp8 row quantizer", cudaGetLastError());
+}
+
+Status quantize_e4m3_rows_to_slots(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, void* slots,
+                                   int64_t slot_bytes, cudaStream_t stream) {
+  if (rows < 0 || cols <= 0 || cols % kTile != 0)
+    return invalid_argument("fp8 row quantizer to slots: rows = " + std::to_string(rows) + " must be >= 0 and cols = " +
+                            std::to_string(cols) + " a positive multiple of 128");
+  if (slot_bytes < e4m3_slot_bytes(cols) || slot_bytes % 16 != 0)
+    return invalid_argument("fp8 row quantizer to slots: slot_bytes = " + std::to_string(slot_bytes) +
+                            " must be a multiple of 16 holding " + std::to_string(e4m3_slot_bytes(cols)) +
+                            " bytes (a row's e4m3 values and scales)");
+  if (rows == 0) return Status::Ok();
+  if (x == nullptr || slots == nullptr) return invalid_argument("fp8 row quantizer to slots: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(slots) % 16 != 0)
+    return invalid_argument("fp8 row quantizer to slots: x and the slots must be 16-byte aligned");
+  if (rows * (cols / kTile) >= (int64_t{1} << 32))
+    return invalid_argument("fp8 row quantizer to slots: " + std::to_string(rows) + " rows of " + std::to_string(cols) +
+                            " columns exceed 2^32 tiles");
+  const int64_t tiles = rows * (cols / kTile);
+  quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
+      RowsToSlotsSource{static_cast<const __nv_bfloat16*>(x), tiles, static_cast<uint32_t>(cols / kTile), slot_bytes},
+      scale, static_cast<uint8_t*>(slots), static_cast<float*>(slots));
+  return cuda_status("fp8 row quantizer to slots", cudaGetLastError());
 }
 
 Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* row_src, int top_k,

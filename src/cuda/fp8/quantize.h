@@ -56,6 +56,17 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
                                  float* scales, void* pool, cudaStream_t stream,
                                  RowScales layout = RowScales::kByRow);
 
+// A row of cols values as an e4m3 slot (expert parallelism's dispatch,
+// cuda/comm/dispatch.h): its cols e4m3 bytes, then its cols / 128 f32 scales;
+// bytes rounded up to 16 (the slots move as 16-byte pieces).
+constexpr int64_t e4m3_slot_bytes(int64_t cols) { return (cols + cols / 128 * 4 + 15) / 16 * 16; }
+
+// The row quantizer into slots of slot_bytes (>= e4m3_slot_bytes(cols), a
+// multiple of 16): row r's bytes at slots + r * slot_bytes, its scales right
+// after them; the same values as quantize_e4m3_rows. rows may be 0.
+Status quantize_e4m3_rows_to_slots(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, void* slots,
+                                   int64_t slot_bytes, cudaStream_t stream);
+
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
 

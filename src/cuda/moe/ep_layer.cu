@@ -5,6 +5,7 @@
 #include "cuda/comm/combine.h"
 #include "cuda/comm/ep_routing.h"
 #include "cuda/common/cuda_status.h"
+#include "cuda/fp8/quantize.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/fp8_parts.h"
@@ -123,6 +124,18 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
   DispatchArgs a;
   a.x = in.x, a.topk_idx = in.topk_idx, a.topk_weights = in.topk_weights, a.tokens = tokens;
   a.experts_per_rank = call.dims.num_experts, a.epoch = ep.epoch, a.blocks_done = s.dispatch_done;
+  if (detail::fp8_forward(call.dims)) {
+    // FP8: the rows cross NVLink in e4m3 with their scales (e4m3_slot_bytes:
+    // ~0.52 of bf16's bytes), quantised here into this rank's own slots
+    // (unused otherwise), which its own gather reads too. Per row, as the
+    // one-GPU layer's gathering quantizer: the owners' pools get its bytes.
+    void* own_slots = static_cast<char*>(ep.view.local) + ep.layout.slot_offset(ep.view.rank, 0);
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows_to_slots(in.x, tokens, ep.layout.hidden,
+                                                        detail::fp8_scale_of(call.dims), own_slots,
+                                                        static_cast<int64_t>(ep.layout.slot_bytes()), call.stream));
+    a.x = own_slots;
+    a.row_bytes = e4m3_slot_bytes(ep.layout.hidden);
+  }
   return dispatch_push(ep.view, ep.layout, a, call.stream);
 }
 
@@ -159,15 +172,16 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
                                                         cudaMemcpyDeviceToDevice, call.stream)));
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(kept.virtual_idx, d.tokens, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = detail::device_plan(c.pv.plan, d);
-  MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
-                                         plan.pool_rows, C, c.xdy_pool, call.stream));
-
   void* z_keep = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
   const GroupedGemmArgs::PeerSlots y_slots = return_slots(ep, kept.source_counts);
-  if (detail::fp8_forward(d)) {  // the pool's bf16 rows quantised (per row: the one-GPU layer's bytes)
+  if (detail::fp8_forward(d)) {  // the e4m3 rows and scales the dispatch delivered, straight into f.x_q / f.x_s
+    MEGAMOE_RETURN_IF_ERROR(gather_ep_rows_e4m3(ep.layout, ep.view.local, c.pv.plan.row_src, plan.pool_rows, C, f.x_q,
+                                                f.x_s, call.stream));
     MEGAMOE_RETURN_IF_ERROR(detail::fp8_gate_up(call, plan, c, f, nullptr, in.w13, z_keep, c.a_pool, sms, true));
     MEGAMOE_RETURN_IF_ERROR(detail::fp8_down(call, plan, c, f, in.w2, weights, sms, &y_slots));
   } else {
+    MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
+                                           plan.pool_rows, C, c.xdy_pool, call.stream));
     GroupedGemmArgs g1 = detail::pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, L * 2 * I, H, I);
     g1.out0 = z_keep;
     g1.out1 = c.a_pool;

@@ -1,7 +1,9 @@
 // The MoE layer's forward with expert parallelism inside one node
-// (docs/ep-design.md). BF16; with an FP8 precision in the owner's dims
-// (written, not yet run on a GPU: the public entries refuse it) the owner's
-// GEMMs run in FP8 (cuda/moe/fp8_parts.h) on the rows dispatched in bf16;
+// (docs/ep-design.md). BF16; with an FP8 precision in the owner's dims the
+// owner's GEMMs run in FP8 (cuda/moe/fp8_parts.h); fp8's forward sends its
+// rows in e4m3 with their scales (quantised by the source into its own
+// slots, gathered by the owner straight into its e4m3 pool), the backward
+// and fp8_bwd's forward send bf16 rows;
 // the owner's scratch must then be sized for its dims' precision and
 // LayerBuffers::fp8_weights hold its L local experts. Rank r holds its own tokens and experts
 // [r L, (r + 1) L) (L = E / world). Three phases, each async on the call's

@@ -8,9 +8,7 @@
 namespace megamoe::cuda::detail {
 namespace {
 
-Fp8Scale scale_of(const LayerCall& call) {
-  return call.dims.fp8_scale == ScaleMode::kPowerOfTwo ? Fp8Scale::kPowerOfTwo : Fp8Scale::kFloat32;
-}
+Fp8Scale scale_of(const LayerCall& call) { return fp8_scale_of(call.dims); }
 
 // g's operands become e4m3: A (with its row scales) and B (with its block scales).
 void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const uint8_t* b, const float* b_scales) {
@@ -20,6 +18,10 @@ void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const 
 }
 
 }  // namespace
+
+Fp8Scale fp8_scale_of(const LayerDims& d) {
+  return d.fp8_scale == ScaleMode::kPowerOfTwo ? Fp8Scale::kPowerOfTwo : Fp8Scale::kFloat32;
+}
 
 bool fp8_forward(const LayerDims& d) { return d.precision == Precision::kFP8; }
 bool fp8_backward(const LayerDims& d) { return d.precision == Precision::kFP8 || d.precision == Precision::kFP8Bwd; }
@@ -55,14 +57,11 @@ Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w
 }
 
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool rows_in_pool) {
+                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool x_quantized) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  if (rows_in_pool)
-    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.x_q, f.x_s, call.stream, RowScales::kByRow,
-                                               plan.pool_rows));
-  else
+  if (!x_quantized)
     MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_rows(x, H, plan.row_src, d.top_k, plan.pool_rows, C, sc, f.x_q,
                                                       f.x_s, nullptr, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);

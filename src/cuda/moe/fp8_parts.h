@@ -40,15 +40,18 @@ Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, c
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
 
 // The forward's GEMMs (weights from f): x's rows gathered into the pool as
-// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool; rows_in_pool: the bf16
-// pool c.xdy_pool holds the rows already, as an expert-parallel owner
-// gathers them, and its used rows are quantised; x unused), kGateUp (z into
+// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool; x_quantized: f.x_q and
+// f.x_s hold the pool's e4m3 rows already, as an expert-parallel owner
+// gathers them from the e4m3 dispatch; x unused), kGateUp (z into
 // z_pool when not null, a into the a pool), a quantised, kDown into the
 // slots (or, with peer, into the source ranks' return slots). Also the
 // backward's recomputation of z (z_pool, a_pool null). The pool passes
 // cover its used rows only (plan.pool_rows, on the device).
 Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
-                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool rows_in_pool = false);
+                   const void* x, const void* w13, void* z_pool, void* a_pool, int sms, bool x_quantized = false);
+
+// The FP8 scale rule of the call's dims (fp8_scale).
+Fp8Scale fp8_scale_of(const LayerDims& d);
 Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
                 const float* topk_weights, int sms, const GroupedGemmArgs::PeerSlots* peer = nullptr);
 
