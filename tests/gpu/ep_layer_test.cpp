@@ -297,9 +297,10 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
                                            EpCase{"P8_E16_k4", 8, 128, 128, 16, 4, Routing::kUniform},
                                            EpCase{"P3_E6_k2_last_rank_empty", 3, 128, 128, 6, 2, Routing::kUniform,
                                                   true},
-                                           // FP8 owners (not yet run on a GPU; the public entries refuse FP8
-                                           // with expert parallelism until they have)
+                                           // FP8 owners (fp8: the forward's rows in e4m3 over the dispatch)
                                            EpCase{"P2_E8_k2_fp8", 2, 256, 256, 8, 2, Routing::kUniform, false,
+                                                  Precision::kFP8},
+                                           EpCase{"P8_E16_k4_fp8", 8, 128, 128, 16, 4, Routing::kUniform, false,
                                                   Precision::kFP8},
                                            EpCase{"P4_E8_k2_drops_fp8_bwd", 4, 256, 128, 8, 2, Routing::kWithDrops,
                                                   false, Precision::kFP8Bwd},
@@ -311,12 +312,16 @@ TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1}, true);
+  expect_ep_equals_one_gpu(EpCase{"P2_two_gpus_fp8", 2, 256, 256, 8, 2, Routing::kWithDrops, false, Precision::kFP8},
+                           {0, 1}, true);
 }
 
 TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on the 8-GPU machine
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 8) GTEST_SKIP() << "needs 8 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P8_eight_gpus", 8, 256, 256, 16, 4, Routing::kUniform},
+                           {0, 1, 2, 3, 4, 5, 6, 7}, true);
+  expect_ep_equals_one_gpu(EpCase{"P8_eight_gpus_fp8", 8, 256, 256, 16, 4, Routing::kUniform, false, Precision::kFP8},
                            {0, 1, 2, 3, 4, 5, 6, 7}, true);
 }
 
