@@ -264,6 +264,10 @@ int main(int argc, char** argv) {
     g.producer_park_ns = 0;
     return g;
   };
+  auto no_epilogue = [](cuda::GroupedGemmArgs g) {  // the main loops alone: what the epilogue costs
+    g.debug_skip_epilogue = true;
+    return g;
+  };
   const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
   struct Row {
     const char* name;
@@ -279,18 +283,25 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp fp8", gate_up(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 kbs", scales_by_k_block(gate_up(true), sx_kb), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 poll", polling(gate_up(true)), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUp fp8 noepi", no_epilogue(gate_up(true)), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUp bf16 noepi", no_epilogue(gate_up(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
   time_gemm("kDown fp8 kbs", scales_by_k_block(down(true), sa_kb), 2 * routes * Hd * Id);
+  time_gemm("kDown fp8 noepi", no_epilogue(down(true)), 2 * routes * Hd * Id);
   time_gemm("kDownGrad bf16", down_grad(false), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8", down_grad(true), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 kbs", scales_by_k_block(down_grad(true), sx_kb), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 poll", polling(down_grad(true)), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad fp8 noepi", no_epilogue(down_grad(true)), 2 * routes * Hd * Id);
   time_gemm("kGateUpGrad bf16", gate_up_grad(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8 kbs", scales_by_k_block(gate_up_grad(true), sdz_kb), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUpGrad fp8 noepi", no_epilogue(gate_up_grad(true)), 2 * routes * 2 * Id * Hd);
   time_gemm("dW2 bf16", wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), 2 * routes * Hd * Id);
   time_gemm("dW2 fp8", wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t), 2 * routes * Hd * Id);
+  time_gemm("dW2 fp8 noepi", no_epilogue(wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t)),
+            2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8 poll", polling(wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t)),

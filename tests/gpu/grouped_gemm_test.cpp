@@ -456,6 +456,16 @@ TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
   ASSERT_EQ(cudaMemcpy(z1.data(), z.dev.view().data, zb, cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(a1.data(), a.dev.view().data, ab, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_TRUE(z1 == z0 && a1 == a0) << "a polling producer changed kGateUp's outputs";
+  // Timing only: without the epilogue nothing is written.
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
+  cuda::GroupedGemmArgs no_epilogue = g;
+  no_epilogue.debug_skip_epilogue = true;
+  run(no_epilogue);
+  ASSERT_EQ(cudaMemcpy(z1.data(), z.dev.view().data, zb, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(a1.data(), a.dev.view().data, ab, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(std::all_of(z1.begin(), z1.end(), [](uint8_t b) { return b == 0xFF; }) &&
+              std::all_of(a1.begin(), a1.end(), [](uint8_t b) { return b == 0xFF; }))
+      << "debug_skip_epilogue wrote outputs";
 }
 
 TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {

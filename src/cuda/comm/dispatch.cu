@@ -54,7 +54,7 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
 
 }  // namespace
 
-Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const DispatchArgs& a, cudaStream_t stream) {
+Status check_dispatch(const PeerView& v, const DispatchLayout& layout, const DispatchArgs& a) {
   if (v.world < 1 || v.world > 8 || v.rank < 0 || v.rank >= v.world || v.peers == nullptr)
     return invalid_argument("dispatch: a bad peer view (rank " + std::to_string(v.rank) + " of " +
                             std::to_string(v.world) + ")");
@@ -81,6 +81,11 @@ Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const Disp
   // Rows move as 16-byte pieces.
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0 || reinterpret_cast<uintptr_t>(v.local) % 16 != 0)
     return invalid_argument("dispatch: x and the symmetric buffer must be 16-byte aligned");
+  return Status::Ok();
+}
+
+Status dispatch_push(const PeerView& v, const DispatchLayout& layout, const DispatchArgs& a, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_dispatch(v, layout, a));
   const int64_t blocks = std::min<int64_t>((a.tokens + kWarps - 1) / kWarps, 1024);
   push_rows_kernel<<<static_cast<unsigned>(blocks < 1 ? 1 : blocks), kWarps * 32, 0, stream>>>(v, layout, a);
   return cuda_status("dispatch: push", cudaGetLastError());

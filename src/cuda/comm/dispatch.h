@@ -6,7 +6,8 @@
 // with no host in between. Once everything for a rank is written it stores
 // the call's epoch into that rank's flag [source] (release, system scope).
 // The owner's GEMMs then read the rows where they landed; its own tokens it
-// reads from its own x.
+// reads from its own x (an FP8 forward: from its own slots, which its send
+// filled earlier on the same stream).
 //
 // Each rank's symmetric buffer (one PeerView allocation, the same on every rank):
 //   byte 0                  flags u32 [world]: flag[s] = epoch of the last call
@@ -107,6 +108,10 @@ struct DispatchArgs {
   uint32_t* blocks_done = nullptr;    // device u32, 0 before the first call (the kernel leaves it 0);
                                       // one per stream: concurrent calls must not share it
 };
+
+// The push's argument checks alone (dispatch_push runs them first): for a
+// caller that writes into its own slots before it pushes them.
+Status check_dispatch(const PeerView& view, const DispatchLayout& layout, const DispatchArgs& args);
 
 // Async on `stream`; the rows and flags land on the peers when it completes.
 Status dispatch_push(const PeerView& view, const DispatchLayout& layout, const DispatchArgs& args,

@@ -370,9 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                       &map_z,
                       {&map_out0, &map_out1}};
   // kDownGrad: the first z chunk of this consumer's first tile loads during its main loop.
+  const bool epilogues = !p.args.debug_skip_epilogue;
   if constexpr (Tr::kZChunks) {
     const int first = blockIdx.x + cw * gridDim.x;
-    if (first < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(first), 0);
+    if (epilogues && first < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(first), 0);
   }
   PipelineState<R> ps;
   float acc[2][64];
@@ -447,6 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
     if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
+    if (!epilogues) continue;
     if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
       bulk_wait_group<0>();
       return;

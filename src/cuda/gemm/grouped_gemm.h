@@ -136,6 +136,10 @@ struct GroupedGemmArgs {
   const uint32_t* rows_ready = nullptr;  // [capacity / 128]
   uint32_t ready_value = 0;
   int64_t debug_stall_at = -1;  // tests only: >= 0 makes the producer stop at this stage iteration
+  // Timing only (megamoe-gemm-bench's `noepi` rows): the main loops alone, no
+  // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
+  // cost. (Session 24: 41-44% of the M-grouped FP8 GEMMs.)
+  bool debug_skip_epilogue = false;
   // Split rings (the FP8 kernels): the producer parks on the earlier tile's
   // empty barrier for up to this many nanoseconds a turn (mbarrier.try_wait's
   // suspend-time hint), leaving the issue slots of its sub-partition to the

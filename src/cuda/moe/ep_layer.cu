@@ -130,11 +130,13 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
     // (unused otherwise), which its own gather reads too. Per row, as the
     // one-GPU layer's gathering quantizer: the owners' pools get its bytes.
     void* own_slots = static_cast<char*>(ep.view.local) + ep.layout.slot_offset(ep.view.rank, 0);
+    DispatchArgs e4m3 = a;  // the push's checks before the first write into the buffer
+    e4m3.x = own_slots, e4m3.row_bytes = e4m3_slot_bytes(ep.layout.hidden);
+    MEGAMOE_RETURN_IF_ERROR(check_dispatch(ep.view, ep.layout, e4m3));
     MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows_to_slots(in.x, tokens, ep.layout.hidden,
                                                         detail::fp8_scale_of(call.dims), own_slots,
                                                         static_cast<int64_t>(ep.layout.slot_bytes()), call.stream));
-    a.x = own_slots;
-    a.row_bytes = e4m3_slot_bytes(ep.layout.hidden);
+    a = e4m3;
   }
   return dispatch_push(ep.view, ep.layout, a, call.stream);
 }
