@@ -82,10 +82,20 @@ struct ModeTraits {
 };
 
 // The stages a kernel keeps in shared memory: the FP8 kernels' split rings
-// (pipeline.cuh) use two rings of kStages / 2, so with a scale ring
-// kDownGrad leaves its unused fifth stage out (or it would not fit).
+// (pipeline.cuh) use two rings of kStages / 2, so kDownGrad leaves its
+// unused fifth stage out.
 template <GemmMode M, bool kFp8, bool kRing>
-inline constexpr int kStagesUsed = kFp8 && kRing ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
+inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
+
+// A consumer's epilogue buffer: the FP8 kernels stage a row half (64 rows) at
+// a time (epilogues.cuh store_rows, kDirect), so that their shared memory
+// stays under the 196 KB carve-out and L1 keeps 60 KB instead of 28 (the
+// M-grouped FP8 consumers read A's row scales through it: 16 KB of lines a
+// tile).
+template <GemmMode M, bool kFp8>
+inline constexpr int kEpilogueBytesOf =
+    kFp8 && ModeTraits<M>::kStaged ? ModeTraits<M>::kEpilogueBytes / 2 : ModeTraits<M>::kEpilogueBytes;
+static_assert(kEpilogueBytesOf<GemmMode::kGateUp, true> % 1024 == 0, "epilogue buffers keep the 1024-byte alignment");
 
 // The scale ring: the producer brings each k-block's scales into a slot
 // beside its stage, read from shared memory by the promotion. FP8
@@ -104,7 +114,7 @@ inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kSc
 // each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
-                                  2 * ModeTraits<M>::kEpilogueBytes + ModeTraits<M>::kBarriers * 8 +
+                                  2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   2 * kBlockM * 4 + 16;
 template <GemmMode M>
 constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)

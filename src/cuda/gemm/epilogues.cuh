@@ -72,12 +72,13 @@ __device__ __forceinline__ void stage_pair(__nv_bfloat16* staging, int h, int i,
 // Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7, 128); }
 
-// The consumer warpgroup's 128 threads store a staged [128][kCols] bf16 tile:
+// The consumer warpgroup's 128 threads store a staged [kRows][kCols] bf16 tile:
 // dst(r, s) is the destination of row r's segment s of kSeg columns (nullptr:
 // skip it). The warpgroup syncs first (every row staged); the staging tile may
 // be written again after staging_free(). Two ways:
 //  - kDirect (the FP8 kernels): 16-byte stores, consecutive lanes on
-//    consecutive chunks of a row (whole 32-byte sectors per warp). No TMA:
+//    consecutive chunks of a row (whole 32-byte sectors per warp), from a
+//    staging tile of a row half (kRows 64: kEpilogueBytesOf). No TMA:
 //    one bulk copy per row segment (128 to 384 a tile) goes through the SM's
 //    TMA unit, which the producer's stage loads need; with the staged
 //    epilogues skipped altogether the FP8 kGateUp, kDown and kGateUpGrad ran
@@ -86,14 +87,15 @@ __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7
 //    consumer goes on (faster than stores from registers for bf16: kDown 816
 //    -> 702 us at 30B, session 18). Every thread first fences its staging
 //    writes toward the async proxy.
-template <int kCols, int kSeg, bool kDirect, typename SegFn>
+template <int kRows, int kCols, int kSeg, bool kDirect, typename SegFn>
 __device__ __forceinline__ void store_rows(const __nv_bfloat16* staging, SegFn dst) {
   static_assert(kCols % kSeg == 0 && kSeg % 8 == 0, "rows and segments are whole 16-byte chunks");
+  static_assert(kRows == kBlockM || (kDirect && kRows == kBlockM / 2), "bulk copies: a thread a row");
   if constexpr (kDirect) {
     constexpr int kChunks = kCols / 8, kSegChunks = kSeg / 8;
     consumer_sync();
 #pragma unroll 4
-    for (int c = threadIdx.x & 127; c < kBlockM * kChunks; c += 128) {
+    for (int c = threadIdx.x & 127; c < kRows * kChunks; c += 128) {
       const int r = c / kChunks, k = c % kChunks;
       __nv_bfloat16* d = dst(r, k / kSegChunks);
       if (d != nullptr)
@@ -164,26 +166,41 @@ struct Epilogue<GemmMode::kGateUp, kDirect> {
     // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
     auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
     auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
+    // Staged a row half at a time with kDirect (kRows 64), else the whole tile.
+    constexpr int kParts = kDirect ? 2 : 1, kRows = kBlockM / kParts;
     if (z_pool != nullptr) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int part = 0; part < kParts; ++part) {
 #pragma unroll
-        for (int i = 0; i < 64; i += 2) stage_pair(staging, h, i, acc[h][i], acc[h][i + 1]);
-      store_rows<kBlockN, 64, kDirect>(staging, [&](int r, int s) {  // s = 0: gate columns, 1: up columns
-        return z_pool + (pool_row0 + r) * 2 * I + s * I + tile.n * 64;
-      });
-      staging_free();
+        for (int h = 0; h < 2; ++h) {
+          if (kDirect && h != part) continue;
+#pragma unroll
+          for (int i = 0; i < 64; i += 2) stage_pair(staging, kDirect ? 0 : h, i, acc[h][i], acc[h][i + 1]);
+        }
+        store_rows<kRows, kBlockN, 64, kDirect>(staging, [&](int r, int s) {  // s = 0: gate columns, 1: up columns
+          return z_pool + (pool_row0 + part * kRows + r) * 2 * I + s * I + tile.n * 64;
+        });
+        staging_free();
+      }
     }
     if (a_pool != nullptr) {  // null when the backward recomputes z only
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int part = 0; part < kParts; ++part) {
 #pragma unroll
-        for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
-          const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
-          const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
-          stage_pair(staging, h, i, silu_f(g0) * u0, silu_f(g1) * u1);
+        for (int h = 0; h < 2; ++h) {
+          if (kDirect && h != part) continue;
+#pragma unroll
+          for (int i = 0; i < 32; i += 2) {  // elements i (gate) and i + 32 (up) share row and column
+            const float g0 = round_bf16(acc[h][i]), u0 = round_bf16(acc[h][i + 32]);
+            const float g1 = round_bf16(acc[h][i + 1]), u1 = round_bf16(acc[h][i + 33]);
+            stage_pair(staging, kDirect ? 0 : h, i, silu_f(g0) * u0, silu_f(g1) * u1);
+          }
         }
-      store_rows<64, 64, kDirect>(staging, [&](int r, int) { return a_pool + (pool_row0 + r) * I + tile.n * 64; });
+        store_rows<kRows, 64, 64, kDirect>(staging, [&](int r, int) {
+          return a_pool + (pool_row0 + part * kRows + r) * I + tile.n * 64;
+        });
+        if (part + 1 < kParts) staging_free();
+      }
     }
     return true;
   }
@@ -202,36 +219,44 @@ struct SlotEpilogue {
     // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
     const int k = plan.top_k;
     const int64_t T = plan.num_tokens, N = a.n;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float w_row[2] = {1.0f, 1.0f};
-      if constexpr (M == GemmMode::kDown) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
-          w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const float w = w_row[(i >> 1) & 1];
-        stage_pair(staging, h, i, w * acc[h][i], w * acc[h][i + 1]);
-      }
-    }
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
     const GroupedGemmArgs::PeerSlots& peer = a.peer_slots;
-    store_rows<kBlockN, kBlockN, kDirect>(staging, [&](int r, int) -> __nv_bfloat16* {
-      const int src = sm.tile_src[r];
-      if (src < 0) return nullptr;
-      const int64_t v = src / k, j = src % k;
-      if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
-        const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
-        if (t >= peer.source_counts[rank]) return nullptr;  // a missing (-1) or inconsistent source gets nothing
-        auto* rank_slots = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
-        return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
+    // Staged a row half at a time with kDirect (kRows 64), else the whole tile.
+    constexpr int kParts = kDirect ? 2 : 1, kRows = kBlockM / kParts;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (kDirect && h != part) continue;
+        float w_row[2] = {1.0f, 1.0f};
+        if constexpr (M == GemmMode::kDown) {
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+            w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+          const float w = w_row[(i >> 1) & 1];
+          stage_pair(staging, kDirect ? 0 : h, i, w * acc[h][i], w * acc[h][i + 1]);
+        }
       }
-      return slots + (j * T + v) * N + tile.n * kBlockN;
-    });
+      store_rows<kRows, kBlockN, kBlockN, kDirect>(staging, [&](int r, int) -> __nv_bfloat16* {
+        const int src = sm.tile_src[part * kRows + r];
+        if (src < 0) return nullptr;
+        const int64_t v = src / k, j = src % k;
+        if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
+          const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
+          if (t >= peer.source_counts[rank]) return nullptr;  // a missing (-1) or inconsistent source gets nothing
+          auto* rank_slots =
+              reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
+          return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
+        }
+        return slots + (j * T + v) * N + tile.n * kBlockN;
+      });
+      if (part + 1 < kParts) staging_free();
+    }
     return true;
   }
 };

@@ -207,8 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
   constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStageBytes;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
-  uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][Tr::kEpilogueBytes], one per consumer
-  auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * Tr::kEpilogueBytes);
+  constexpr int kEpilogueBytes = kEpilogueBytesOf<M, kFp8>;
+  uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][kEpilogueBytes], one per consumer
+  auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(&my_ring.empty[s]);
     if constexpr (kPair) mbar_arrive_cluster(&my_ring.empty[s], rank ^ 1u);
   };
-  uint8_t* my_buffer = epilogue_base + cw * Tr::kEpilogueBytes;
+  uint8_t* my_buffer = epilogue_base + cw * kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
                       tile_src_base + cw * kBlockM,
                       my_buffer,
