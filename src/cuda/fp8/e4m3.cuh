@@ -49,4 +49,36 @@ __device__ __forceinline__ uint8_t to_e4m3_pow2(float v, float inv_s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv_s), __NV_SATFINITE, __NV_E4M3));
 }
 
+// to_e4m3(v, s) without the division for all but a few values, given the
+// tile's divisor d = E4m3Divisor(s, kind) (its reciprocal computed once):
+//  - power-of-two scales: v * (1 / s) is v / s (to_e4m3_pow2);
+//  - fp32 scales: inv = __frcp_rn(s) and y = fl(v * inv) each round once,
+//    so y lies within 3 u |v / s| (u = 2^-24: 3 ulps of y's binade) of
+//    fl(v / s). The conversion to e4m3 rounds monotonically, so when the
+//    floats 8 bit patterns below and above y (at least 4 ulps each way, a
+//    binade edge included) give the same code, fl(v / s), which lies
+//    between them, gives it too. Only a y near a midpoint between two e4m3
+//    values (~16 in 2^20 of the normal ones), or a non-finite y or s, takes
+//    the division. tests/cpu/numerics_test.cpp checks the rule on every
+//    bf16 value against a few thousand scales (E4m3Quotient*), and the
+//    quantizers' GPU tests compare bytes with the CPU reference.
+struct E4m3Divisor {
+  float s, inv;
+  bool exact;  // inv is exactly 1 / s (power of two, or a non-finite s: 0 / NaN as the division gives)
+  __device__ __forceinline__ E4m3Divisor(float scale, Fp8Scale kind) : s(scale), exact(kind == Fp8Scale::kPowerOfTwo) {
+    inv = __frcp_rn(scale);
+  }
+  __device__ __forceinline__ uint8_t operator()(float v) const {
+    const float y = __fmul_rn(v, inv);
+    if (exact) return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+    const uint32_t bits = __float_as_uint(y), a = bits & 0x7FFFFFFFu, sign = bits & 0x80000000u;
+    if (a < 0x7F800000u && __float_as_uint(s) < 0x7F800000u) {  // y and s finite (s > 0)
+      const float2 ends = make_float2(__uint_as_float(sign | (a > 8u ? a - 8u : 0u)), __uint_as_float(sign | (a + 8u)));
+      const uint32_t codes = __nv_cvt_float2_to_fp8x2(ends, __NV_SATFINITE, __NV_E4M3);
+      if ((codes & 0xFFu) == (codes >> 8)) return static_cast<uint8_t>(codes & 0xFFu);
+    }
+    return to_e4m3(v, s);
+  }
+};
+
 }  // namespace megamoe::cuda::fp8

@@ -125,6 +125,18 @@ static_assert(smem_fits<GemmMode::kGateUp>() && smem_fits<GemmMode::kDown>() && 
                   smem_fits<GemmMode::kGateUpGrad>() && smem_fits<GemmMode::kWeightGrad>(),
               "shared memory exceeds the 227 KB an H100/H200 CTA may use");
 
+// The carve-out hint for a block needing `bytes` of shared memory: the
+// smallest of the SM's supported sizes (KB) that holds it, as the percentage
+// of the 228 KB maximum that rounds up to that size (rounded down).
+constexpr int carveout_percent(int bytes) {
+  constexpr int kSizesKb[] = {0, 8, 16, 32, 64, 100, 132, 164, 196, 228};
+  for (int kb : kSizesKb)
+    if (kb * 1024 >= bytes) return kb * 100 / 228;
+  return 100;
+}
+static_assert(carveout_percent(198784 + 1024) == 85 && 85 * 228 >= 164 * 100 && carveout_percent(232448) == 100,
+              "FP8 kDownGrad's 194 KB: the 196 KB carve-out (85% of 228, above 164 KB)");
+
 // The KernelId a timed-out wait of mode M reports.
 template <GemmMode M>
 constexpr uint32_t kernel_id() {

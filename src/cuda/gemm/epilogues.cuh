@@ -125,7 +125,7 @@ __device__ __forceinline__ void staging_free() {
 // What one consumer's epilogue works with besides the accumulators. Its own
 // buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
 struct EpilogueContext {
-  __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16
+  __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half)
   int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
   uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
   uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
