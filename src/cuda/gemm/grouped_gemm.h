@@ -78,7 +78,8 @@ struct GroupedGemmArgs {
   // a_scale(row) * b_scale(column); one CTA per tile (no pairs).
   // Each 128-long k-block is summed by wgmma into a temporary, then added to
   // the fp32 accumulator times a_scale * b_scale (the recipe's promotion
-  // every 128 K). K must be a multiple of 128. Epilogues are bf16's.
+  // every 128 K). K must be a multiple of 128. Outputs are bf16's (the staged
+  // epilogues store from 64-row halves with plain stores in FP8).
   bool fp8 = false;
   // M-grouped FP8: a_scales as [k / 128, a_rows] instead (quantize.h's
   // RowScales::kByKBlock; a_rows a multiple of 4): a tile's 128 row scales of
