@@ -91,17 +91,17 @@ __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer,
   }
 }
 
-// The e4m3 form: per pool row, hidden / 16 pieces of its bytes, then its
-// hidden / 128 scales one by one (items of a row: bytes first).
+// The e4m3 form: a warp per pool row (its source looked up once), its lanes
+// over the row's hidden / 16 pieces of bytes and its hidden / 128 scales.
 __global__ void gather_ep_rows_e4m3_kernel(DispatchLayout layout, const char* buffer, const int32_t* row_src,
                                            const int32_t* pool_rows, int64_t capacity, const int64_t* source_counts,
                                            uint4* q, float* scales) {
-  const int64_t pieces = layout.hidden / 16, groups = layout.hidden / 128, items = pieces + groups;
+  const int lane = threadIdx.x & 31;
+  const int64_t pieces = layout.hidden / 16, groups = layout.hidden / 128;
   const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
   const int k = layout.top_k;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < rows * items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t r = i / items, c = i % items;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows; r += warps) {
     const int32_t v = row_src[r];
     const char* slot = nullptr;  // null: a padding row (zeros, scale 1: a zero tile's) or a missing one (NaN)
     bool missing = false;
@@ -111,14 +111,12 @@ __global__ void gather_ep_rows_e4m3_kernel(DispatchLayout layout, const char* bu
       missing = source_counts != nullptr && t >= source_counts[s];
       if (!missing) slot = buffer + layout.slot_offset(s, t);
     }
-    if (c < pieces) {
-      q[r * pieces + c] = slot != nullptr ? reinterpret_cast<const uint4*>(slot)[c]
-                                          : missing ? make_uint4(~0u, ~0u, ~0u, ~0u) : make_uint4(0, 0, 0, 0);
-    } else {
-      const int64_t g = c - pieces;
+    const uint4 fill = missing ? make_uint4(~0u, ~0u, ~0u, ~0u) : make_uint4(0, 0, 0, 0);
+    for (int64_t c = lane; c < pieces; c += 32)
+      q[r * pieces + c] = slot != nullptr ? reinterpret_cast<const uint4*>(slot)[c] : fill;
+    for (int64_t g = lane; g < groups; g += 32)
       scales[r * groups + g] = slot != nullptr ? reinterpret_cast<const float*>(slot + layout.hidden)[g]
                                                : missing ? __int_as_float(-1) : 1.0f;
-    }
   }
 }
 
@@ -134,8 +132,9 @@ Status gather_ep_rows_e4m3(const DispatchLayout& layout, const void* buffer, con
   if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(buffer) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(scales) % 4 != 0)
     return invalid_argument("EP e4m3 gather: the pool and the symmetric buffer must be 16-byte aligned");
-  const int64_t work = capacity * (layout.hidden / 16 + layout.hidden / 128);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096));
+  const int64_t warps_per_block = kThreads / 32;  // a warp per pool row
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>((capacity + warps_per_block - 1) / warps_per_block, 4096));
   gather_ep_rows_e4m3_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       layout, static_cast<const char*>(buffer), row_src, pool_rows, capacity, source_counts,
       reinterpret_cast<uint4*>(q), scales);
