@@ -39,19 +39,12 @@ __device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3));
 }
 
-// to_e4m3(v, s) for a power-of-two scale s (fp8_scale_pow2's, or a NaN or
-// infinite one), given inv_s = 1 / s: v / s and v * 2^-k are the same real
-// number rounded once (2^-k is exact in fp32 for every exponent
-// fp8_scale_pow2 makes), and 1 / inf = 0, 1 / NaN = NaN give the division's
-// zeros and NaNs. One multiply instead of a division (MUFU.RCP, 5 FFMA and a
-// range check with a branch to a slow path).
-__device__ __forceinline__ uint8_t to_e4m3_pow2(float v, float inv_s) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv_s), __NV_SATFINITE, __NV_E4M3));
-}
-
 // to_e4m3(v, s) without the division for all but a few values, given the
 // tile's divisor d = E4m3Divisor(s, kind) (its reciprocal computed once):
-//  - power-of-two scales: v * (1 / s) is v / s (to_e4m3_pow2);
+//  - power-of-two scales: v / s and v * 2^-k are the same real number
+//    rounded once (2^-k is exact in fp32 for every exponent fp8_scale_pow2
+//    makes), and 1 / inf = 0, 1 / NaN = NaN give the division's zeros and
+//    NaNs: the multiply alone;
 //  - fp32 scales: inv = __frcp_rn(s) and y = fl(v * inv) each round once,
 //    so y lies within 3 u |v / s| (u = 2^-24: 3 ulps of y's binade) of
 //    fl(v / s). The conversion to e4m3 rounds monotonically, so when the

@@ -296,8 +296,8 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   // dz_q and dz_s of row half h from the bf16 dz this thread has just written
   // into the chunk (its own places: no barrier), with its pairs' maxima: the
   // quad's maximum is the row's over the tile's 128 g (u) columns. The same
-  // amax, scale and division as quantize_e4m3_rows on those bf16 values
-  // (with pow2 scales a multiply by the exact reciprocal: the same bytes).
+  // amax, scale and rounding (fp8::E4m3Divisor) as quantize_e4m3_rows on
+  // those bf16 values: the same bytes.
   static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, const Tile& tile, int h,
                                                      const __nv_bfloat162 (&dz_amax)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate, groups = 2 * I / 128, rows = a.a_rows;
@@ -316,28 +316,20 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
           a.dz_s[a.dz_scales_by_k_block ? group * rows + row : row * groups + group] = scale[q][gu];
         }
       }
-    if (a.dz_scale == Fp8Scale::kPowerOfTwo) {
-      float inv[2][2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int gu = 0; gu < 2; ++gu) inv[q][gu] = __frcp_rn(scale[q][gu]);  // exact for powers of two
-      store_dz_q<true>(a, tile, h, inv, z_g, z_u);
-    } else {
-      store_dz_q<false>(a, tile, h, scale, z_g, z_u);
-    }
+    const fp8::E4m3Divisor by[2][2] = {{{scale[0][0], a.dz_scale}, {scale[0][1], a.dz_scale}},
+                                       {{scale[1][0], a.dz_scale}, {scale[1][1], a.dz_scale}}};
+    store_dz_q(a, tile, h, by, z_g, z_u);
   }
 
-  // The e4m3 bytes of the chunk's dz (by = the scales, or with kPow2 their
-  // reciprocals), 32 columns (a 32-byte sector of each row) at a time: the
+  // The e4m3 bytes of the chunk's dz (by: the scales' divisors, a multiply
+  // by the reciprocal but near e4m3 midpoints), 32 columns (a 32-byte sector of each row) at a time: the
   // quad's 2-byte pieces of 4 8-column groups, transposed so that each lane
   // stores one group's 8 bytes. Not unrolled: fully unrolled (256 divisions)
   // the epilogue thrashed the instruction cache (ncu: 54% of stalls waiting
   // for an instruction; kDownGrad 3.2x slower) and its 2-byte stores wasted
   // 72% of the sectors written.
-  template <bool kPow2>
   static __device__ __forceinline__ void store_dz_q(const GroupedGemmArgs& a, const Tile& tile, int h,
-                                                    const float (&by)[2][2], uint32_t z_g, uint32_t z_u) {
+                                                    const fp8::E4m3Divisor (&by)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate;
     const HalfTilePlaces place;
     const int quad_lane = static_cast<int>(threadIdx.x & 3);
@@ -354,9 +346,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
           for (int j = 0; j < 4; ++j) {
             const float2 v = __bfloat1622float2(*static_cast<const __nv_bfloat162*>(
                 __cvta_shared_to_generic((gu == 0 ? z_g : z_u) + place(16 * c + 4 * j + 2 * q))));
-            const uint32_t piece =
-                kPow2 ? fp8::to_e4m3_pow2(v.x, by[q][gu]) | fp8::to_e4m3_pow2(v.y, by[q][gu]) << 8
-                      : fp8::to_e4m3(v.x, by[q][gu]) | fp8::to_e4m3(v.y, by[q][gu]) << 8;
+            const uint32_t piece = by[q][gu](v.x) | by[q][gu](v.y) << 8;
             pieces[j / 2] |= piece << (16 * (j % 2));
           }
           uint32_t lo, hi;
