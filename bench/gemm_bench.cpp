@@ -294,6 +294,14 @@ int main(int argc, char** argv) {
   time_gemm("kDownGrad fp8 kbs", scales_by_k_block(down_grad(true), sx_kb), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 poll", polling(down_grad(true)), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 noepi", no_epilogue(down_grad(true)), 2 * routes * Hd * Id);
+  // dz quantised in the epilogue (GroupedGemmArgs::dz_q), against the row above plus `quantize dz pool`.
+  auto dz_in_epilogue = [&](cuda::GroupedGemmArgs g, cuda::Fp8Scale scale) {
+    g.dz_q = qdz, g.dz_s = sdz, g.dz_scale = scale;
+    return g;
+  };
+  time_gemm("kDownGrad fp8 +dz fp32", dz_in_epilogue(down_grad(true), cuda::Fp8Scale::kFloat32), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad fp8 +dz pow2", dz_in_epilogue(down_grad(true), cuda::Fp8Scale::kPowerOfTwo),
+            2 * routes * Hd * Id);
   time_gemm("kGateUpGrad bf16", gate_up_grad(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8 kbs", scales_by_k_block(gate_up_grad(true), sdz_kb), 2 * routes * 2 * Id * Hd);
