@@ -65,26 +65,38 @@ __global__ void virtual_routing_kernel(DispatchLayout layout, EpRoutingArgs a) {
   }
 }
 
+// Where a pool row with source v = (s max_tokens + t) k + j (>= 0) comes
+// from: token t of rank s, and whether s did not deliver it this time (its
+// count this epoch -1, or t past it; no counts given: delivered).
+struct RowOrigin {
+  int s;
+  int64_t t;
+  bool missing;
+};
+__device__ __forceinline__ RowOrigin row_origin(const DispatchLayout& layout, int32_t v, const int64_t* source_counts) {
+  const int s = static_cast<int>(v / layout.top_k / layout.max_tokens);
+  const int64_t t = v / layout.top_k % layout.max_tokens;
+  return {s, t, source_counts != nullptr && t >= source_counts[s]};
+}
+
 __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer, int rank, const uint4* own_x,
                                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity,
                                       const int64_t* source_counts, uint4* pool) {
   const int64_t chunks = layout.slot_bytes() / 16;
   const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
   const int64_t total = rows * chunks;
-  const int k = layout.top_k;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t r = i / chunks, c = i % chunks;
     const int32_t v = row_src[r];
     uint4 value = make_uint4(0, 0, 0, 0);
     if (v >= 0) {
-      const int s = static_cast<int>(v / k / layout.max_tokens);
-      const int64_t t = v / k % layout.max_tokens;
-      if (source_counts != nullptr && t >= source_counts[s]) {
+      const RowOrigin o = row_origin(layout, v, source_counts);
+      if (o.missing) {
         value = make_uint4(~0u, ~0u, ~0u, ~0u);  // NaN: that source did not deliver this row this time
       } else {
-        value = s == rank ? own_x[t * chunks + c]
-                          : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(s, t))[c];
+        value = o.s == rank ? own_x[o.t * chunks + c]
+                            : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(o.s, o.t))[c];
       }
     }
     pool[i] = value;
@@ -99,17 +111,15 @@ __global__ void gather_ep_rows_e4m3_kernel(DispatchLayout layout, const char* bu
   const int lane = threadIdx.x & 31;
   const int64_t pieces = layout.hidden / 16, groups = layout.hidden / 128;
   const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
-  const int k = layout.top_k;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
   for (int64_t r = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32; r < rows; r += warps) {
     const int32_t v = row_src[r];
     const char* slot = nullptr;  // null: a padding row (zeros, scale 1: a zero tile's) or a missing one (NaN)
     bool missing = false;
     if (v >= 0) {
-      const int s = static_cast<int>(v / k / layout.max_tokens);
-      const int64_t t = v / k % layout.max_tokens;
-      missing = source_counts != nullptr && t >= source_counts[s];
-      if (!missing) slot = buffer + layout.slot_offset(s, t);
+      const RowOrigin o = row_origin(layout, v, source_counts);
+      missing = o.missing;
+      if (!missing) slot = buffer + layout.slot_offset(o.s, o.t);
     }
     const uint4 fill = missing ? make_uint4(~0u, ~0u, ~0u, ~0u) : make_uint4(0, 0, 0, 0);
     for (int64_t c = lane; c < pieces; c += 32)

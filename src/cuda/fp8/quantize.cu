@@ -341,6 +341,14 @@ unsigned row_blocks(int64_t tiles) {
       std::max<int64_t>(1, std::min<int64_t>((tiles + tiles_per_block - 1) / tiles_per_block, int64_t{8} * sm_count)));
 }
 
+// The row kernels number tiles in 32 bits (RowsSource, RowsToSlotsSource).
+Status check_row_tiles(const char* what, int64_t rows, int64_t cols) {
+  if (rows * (cols / kTile) >= (int64_t{1} << 32))
+    return invalid_argument(std::string(what) + ": " + std::to_string(rows) + " rows of " + std::to_string(cols) +
+                            " columns exceed 2^32 tiles");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q, float* scales,
@@ -353,9 +361,7 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
     return invalid_argument("fp8 row quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 8 != 0)
     return invalid_argument("fp8 row quantizer: x must be 16-byte and q 8-byte aligned");
-  if (rows * (cols / kTile) >= (int64_t{1} << 32))
-    return invalid_argument("fp8 row quantizer: " + std::to_string(rows) + " rows of " + std::to_string(cols) +
-                            " columns exceed 2^32 tiles");
+  MEGAMOE_RETURN_IF_ERROR(check_row_tiles("fp8 row quantizer", rows, cols));
   const int64_t tiles = rows * (cols / kTile);
   const ScaleIndex at{static_cast<uint32_t>(cols / kTile), rows, layout == RowScales::kByKBlock};
   quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
@@ -376,9 +382,7 @@ Status quantize_e4m3_rows_to_slots(const void* x, int64_t rows, int64_t cols, Fp
   if (x == nullptr || slots == nullptr) return invalid_argument("fp8 row quantizer to slots: a pointer is null");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(slots) % 16 != 0)
     return invalid_argument("fp8 row quantizer to slots: x and the slots must be 16-byte aligned");
-  if (rows * (cols / kTile) >= (int64_t{1} << 32))
-    return invalid_argument("fp8 row quantizer to slots: " + std::to_string(rows) + " rows of " + std::to_string(cols) +
-                            " columns exceed 2^32 tiles");
+  MEGAMOE_RETURN_IF_ERROR(check_row_tiles("fp8 row quantizer to slots", rows, cols));
   const int64_t tiles = rows * (cols / kTile);
   quantize_rows_kernel<<<row_blocks(tiles), kRowThreads, 0, stream>>>(
       RowsToSlotsSource{static_cast<const __nv_bfloat16*>(x), tiles, static_cast<uint32_t>(cols / kTile), slot_bytes},
