@@ -15,7 +15,7 @@ constexpr int kTile = 128;
 
 using fp8::fold_amax;
 using fp8::tile_scale;
-using fp8::E4m3Divisor;
+using fp8::to_e4m3;
 
 // The amax of 8 bf16 values (one 16-byte load) as fold_amax would fold them:
 // |v| and the maximum taken on bf16 pairs (exact: the values are bf16; NaN
@@ -136,10 +136,9 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
       const float s = tile_scale(amax, kind);
-      const E4m3Divisor by(s, kind);
       uint2 packed = make_uint2(0, 0);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) (i < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(by(v[i])) << (8 * (i % 4));
+      for (int i = 0; i < 8; ++i) (i < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * (i % 4));
       if (t < tiles) {
         reinterpret_cast<uint2*>(src.q_tile(q, t))[hl] = packed;
         if (hl == 0) *src.scale_of(scales, t) = s;
@@ -226,7 +225,6 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
   amax = 0.0f;
   for (int i = 0; i < 8; ++i) amax = fold_amax(amax, warp_amax[i]);
   const float s = tile_scale(amax, kind);
-  const E4m3Divisor by(s, kind);
   uint8_t* dst = q == nullptr ? nullptr : q + b * rows * cols + tr * kTile * cols + tc * kTile;
   uint32_t packed[8][2];  // row r0 + i: columns c8 .. c8 + 7, one byte each
 #pragma unroll
@@ -236,7 +234,7 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 f = __bfloat1622float2(pairs[j / 2]);
-      packed[i][j / 4] |= static_cast<uint32_t>(by(j % 2 == 0 ? f.x : f.y)) << (8 * (j % 4));
+      packed[i][j / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, s)) << (8 * (j % 4));
     }
     if (dst != nullptr)
       *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r0 + i) * cols + c8) = make_uint2(packed[i][0], packed[i][1]);
@@ -298,10 +296,9 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
     scales[tr * cols + tc * kTile + t] = sc;
   }
   __syncthreads();
-  // One divisor per column (its reciprocal computed once for the thread's 8 values of it).
-  const E4m3Divisor by[8] = {{col_scale[c8], kind},     {col_scale[c8 + 1], kind}, {col_scale[c8 + 2], kind},
-                             {col_scale[c8 + 3], kind}, {col_scale[c8 + 4], kind}, {col_scale[c8 + 5], kind},
-                             {col_scale[c8 + 6], kind}, {col_scale[c8 + 7], kind}};
+  float sc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sc[j] = col_scale[c8 + j];
   uint32_t col[8][2];  // column c8 + j: rows r0 .. r0 + 7, one byte each
 #pragma unroll
   for (int j = 0; j < 8; ++j) col[j][0] = col[j][1] = 0;
@@ -311,7 +308,7 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 f = __bfloat1622float2(pairs[j / 2]);
-      col[j][i / 4] |= static_cast<uint32_t>(by[j](j % 2 == 0 ? f.x : f.y)) << (8 * (i % 4));
+      col[j][i / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, sc[j])) << (8 * (i % 4));
     }
   }
 #pragma unroll

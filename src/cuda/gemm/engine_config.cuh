@@ -78,6 +78,8 @@ struct ModeTraits {
   // kGateUpGrad 1.35 -> 1.37 ms (perf-log, session 17).
   static constexpr bool kPairs = M == GemmMode::kWeightGrad;
   static constexpr int kBarriers = 2 * kStages + 4;
+  // The slot-writing modes' row destinations (epilogues.cuh begin_epilogue): a pointer per tile row, per consumer.
+  static constexpr int kRowDstBytes = M == GemmMode::kDown || M == GemmMode::kGateUpGrad ? 2 * kBlockM * 8 : 0;
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
 
@@ -111,11 +113,11 @@ template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 
 // Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
-// each), order [2], z_full [2]][tile_src: 2 x 128 x int32][abort flag: u32, padded to 16 bytes]
+// each), order [2], z_full [2]][row_dst: 2 x 128 pointers (kDown, kGateUpGrad)][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
-                                  2 * kBlockM * 4 + 16;
+                                  ModeTraits<M>::kRowDstBytes + 16;
 template <GemmMode M>
 constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)
   constexpr int kMax = 227 * 1024;  // what an H100 / H200 CTA may use
@@ -134,8 +136,11 @@ constexpr int carveout_percent(int bytes) {
     if (kb * 1024 >= bytes) return kb * 100 / 228;
   return 100;
 }
-static_assert(carveout_percent(198784 + 1024) == 85 && 85 * 228 >= 164 * 100 && carveout_percent(232448) == 100,
-              "FP8 kDownGrad's 194 KB: the 196 KB carve-out (85% of 228, above 164 KB)");
+static_assert(carveout_percent(kSmemBytes<GemmMode::kDownGrad, true, false> + 1024) == 85 &&
+                  carveout_percent(kSmemBytes<GemmMode::kGateUp, true, false> + 1024) == 85 &&
+                  carveout_percent(kSmemBytes<GemmMode::kDown, true, false> + 1024) == 85 &&
+                  85 * 228 >= 164 * 100 && carveout_percent(232448) == 100,
+              "the M-grouped FP8 kernels (164-194 KB): the 196 KB carve-out (85% of 228, above 164 KB)");
 
 // The KernelId a timed-out wait of mode M reports.
 template <GemmMode M>

@@ -126,7 +126,7 @@ __device__ __forceinline__ void staging_free() {
 // buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
 struct EpilogueContext {
   __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half)
-  int32_t* tile_src;       // [128] row_src of the tile's pool rows (kDown, kGateUpGrad)
+  __nv_bfloat16** row_dst;  // [128] kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr: nowhere)
   uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
   uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
   uint32_t z_waits;        // kDownGrad: chunks waited for so far (z_full's phase)
@@ -136,16 +136,24 @@ struct EpilogueContext {
 };
 
 // What every epilogue starts with: the barrier after which the previous
-// tile's stores have finished reading staging (staging_free) and tile_src.
-// Slot-writing modes look up each row's source once (the load overlaps the
-// barrier); the stores then read shared memory, not a dependent global load.
-template <bool kSlots>
-__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm) {
+// tile's stores have finished reading staging (staging_free) and row_dst.
+// Slot-writing modes (kSlots) then put each row's destination, dst_of(its
+// row_src), in row_dst, a thread a row (the load overlaps the barrier): the
+// stores read it from shared memory, and the slot arithmetic (a 64-bit
+// division by top_k) runs once a row, not once a 16-byte chunk (the FP8
+// kernels' plain stores: kDown 2030 -> 2300 us at 235B before, session 25).
+template <bool kSlots, typename DstOf>
+__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm,
+                                               DstOf dst_of) {
   const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
   int32_t my_src = 0;
-  if (kSlots && tid < kBlockM) my_src = plan.row_src[pool_row0 + tid];
+  if (kSlots) my_src = plan.row_src[pool_row0 + tid];
   staging_free();
-  if (kSlots && tid < kBlockM) sm.tile_src[tid] = my_src;
+  if (kSlots) sm.row_dst[tid] = dst_of(my_src);
+}
+template <bool kSlots>
+__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm) {
+  begin_epilogue<kSlots>(plan, pool_row0, sm, [](int32_t) -> __nv_bfloat16* { return nullptr; });
 }
 
 // kDirect: the staged modes store with plain stores (store_rows; the FP8 kernels).
@@ -215,12 +223,22 @@ struct SlotEpilogue {
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-    begin_epilogue<true>(plan, pool_row0, sm);
     // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
     const int k = plan.top_k;
     const int64_t T = plan.num_tokens, N = a.n;
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
     const GroupedGemmArgs::PeerSlots& peer = a.peer_slots;
+    begin_epilogue<true>(plan, pool_row0, sm, [&](int32_t src) -> __nv_bfloat16* {
+      if (src < 0) return nullptr;
+      const int64_t v = src / k, j = src % k;
+      if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
+        const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
+        if (t >= peer.source_counts[rank]) return nullptr;  // a missing (-1) or inconsistent source gets nothing
+        auto* rank_slots = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
+        return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
+      }
+      return slots + (j * T + v) * N + tile.n * kBlockN;
+    });
     // Staged a row half at a time with kDirect (kRows 64), else the whole tile.
     constexpr int kParts = kDirect ? 2 : 1, kRows = kBlockM / kParts;
 #pragma unroll
@@ -242,19 +260,8 @@ struct SlotEpilogue {
           stage_pair(staging, kDirect ? 0 : h, i, w * acc[h][i], w * acc[h][i + 1]);
         }
       }
-      store_rows<kRows, kBlockN, kBlockN, kDirect>(staging, [&](int r, int) -> __nv_bfloat16* {
-        const int src = sm.tile_src[part * kRows + r];
-        if (src < 0) return nullptr;
-        const int64_t v = src / k, j = src % k;
-        if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
-          const int64_t rank = v / peer.tokens_per_rank, t = v - rank * peer.tokens_per_rank;
-          if (t >= peer.source_counts[rank]) return nullptr;  // a missing (-1) or inconsistent source gets nothing
-          auto* rank_slots =
-              reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(peer.rank_buffers[rank]) + peer.offset);
-          return rank_slots + (j * peer.tokens_per_rank + t) * N + tile.n * kBlockN;
-        }
-        return slots + (j * T + v) * N + tile.n * kBlockN;
-      });
+      store_rows<kRows, kBlockN, kBlockN, kDirect>(
+          staging, [&](int r, int) -> __nv_bfloat16* { return sm.row_dst[part * kRows + r]; });
       if (part + 1 < kParts) staging_free();
     }
     return true;
@@ -296,8 +303,8 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   // dz_q and dz_s of row half h from the bf16 dz this thread has just written
   // into the chunk (its own places: no barrier), with its pairs' maxima: the
   // quad's maximum is the row's over the tile's 128 g (u) columns. The same
-  // amax, scale and rounding (fp8::E4m3Divisor) as quantize_e4m3_rows on
-  // those bf16 values: the same bytes.
+  // amax, scale and division as quantize_e4m3_rows on those bf16 values
+  // (with pow2 scales a multiply by the exact reciprocal: the same bytes).
   static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, const Tile& tile, int h,
                                                      const __nv_bfloat162 (&dz_amax)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate, groups = 2 * I / 128, rows = a.a_rows;
@@ -316,20 +323,28 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
           a.dz_s[a.dz_scales_by_k_block ? group * rows + row : row * groups + group] = scale[q][gu];
         }
       }
-    const fp8::E4m3Divisor by[2][2] = {{{scale[0][0], a.dz_scale}, {scale[0][1], a.dz_scale}},
-                                       {{scale[1][0], a.dz_scale}, {scale[1][1], a.dz_scale}}};
-    store_dz_q(a, tile, h, by, z_g, z_u);
+    if (a.dz_scale == Fp8Scale::kPowerOfTwo) {
+      float inv[2][2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int gu = 0; gu < 2; ++gu) inv[q][gu] = __frcp_rn(scale[q][gu]);  // exact for powers of two
+      store_dz_q<true>(a, tile, h, inv, z_g, z_u);
+    } else {
+      store_dz_q<false>(a, tile, h, scale, z_g, z_u);
+    }
   }
 
-  // The e4m3 bytes of the chunk's dz (by: the scales' divisors, a multiply
-  // by the reciprocal but near e4m3 midpoints), 32 columns (a 32-byte sector of each row) at a time: the
+  // The e4m3 bytes of the chunk's dz (by = the scales, or with kPow2 their
+  // reciprocals), 32 columns (a 32-byte sector of each row) at a time: the
   // quad's 2-byte pieces of 4 8-column groups, transposed so that each lane
   // stores one group's 8 bytes. Not unrolled: fully unrolled (256 divisions)
   // the epilogue thrashed the instruction cache (ncu: 54% of stalls waiting
   // for an instruction; kDownGrad 3.2x slower) and its 2-byte stores wasted
   // 72% of the sectors written.
+  template <bool kPow2>
   static __device__ __forceinline__ void store_dz_q(const GroupedGemmArgs& a, const Tile& tile, int h,
-                                                    const fp8::E4m3Divisor (&by)[2][2], uint32_t z_g, uint32_t z_u) {
+                                                    const float (&by)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate;
     const HalfTilePlaces place;
     const int quad_lane = static_cast<int>(threadIdx.x & 3);
@@ -346,7 +361,9 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
           for (int j = 0; j < 4; ++j) {
             const float2 v = __bfloat1622float2(*static_cast<const __nv_bfloat162*>(
                 __cvta_shared_to_generic((gu == 0 ? z_g : z_u) + place(16 * c + 4 * j + 2 * q))));
-            const uint32_t piece = by[q][gu](v.x) | by[q][gu](v.y) << 8;
+            const uint32_t piece =
+                kPow2 ? fp8::to_e4m3_pow2(v.x, by[q][gu]) | fp8::to_e4m3_pow2(v.y, by[q][gu]) << 8
+                      : fp8::to_e4m3(v.x, by[q][gu]) | fp8::to_e4m3(v.y, by[q][gu]) << 8;
             pieces[j / 2] |= piece << (16 * (j % 2));
           }
           uint32_t lo, hi;

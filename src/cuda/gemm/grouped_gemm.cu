@@ -213,9 +213,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
-  auto* tile_src_base = reinterpret_cast<int32_t*>(barriers + Tr::kBarriers);
+  auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + Tr::kBarriers);  // [2][kBlockM]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
-  auto* cta_state = reinterpret_cast<uint32_t*>(tile_src_base + 2 * kBlockM);
+  auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + Tr::kRowDstBytes);
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   uint8_t* my_buffer = epilogue_base + cw * kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
-                      tile_src_base + cw * kBlockM,
+                      row_dst_base + cw * kBlockM,
                       my_buffer,
                       &z_full[cw],
                       0,

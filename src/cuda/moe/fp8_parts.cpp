@@ -109,9 +109,7 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   // (a multiply per value; at 16384 tokens kDownGrad grows 192 / 478 us at
   // 30B / 235B, the separate pass it replaces took 315 / 617 us); with fp32
   // scales by a pass over the dz pool, as the epilogue's division made
-  // kDownGrad 330 / 600 us slower than the pass (perf-log, session 23). The
-  // epilogue has divided only near e4m3 midpoints since session 24
-  // (fp8::E4m3Divisor), which may move fp32 scales to it too: not measured.
+  // kDownGrad 330 / 600 us slower than the pass (perf-log, session 23).
   const bool dz_in_epilogue = sc == Fp8Scale::kPowerOfTwo;
   if (dz_in_epilogue) gd.dz_q = f.dz_q, gd.dz_s = f.dz_s, gd.dz_scale = sc;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
