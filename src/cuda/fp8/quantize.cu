@@ -261,9 +261,13 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
 // are 8 consecutive bytes of the transposed tile (one 8-byte shared store;
 // the byte-wide form ran at ~1 TB/s), read back 8 bytes at a time so that
 // the q_t rows (x's columns) are stored contiguously.
-template <typename Source>
+// kRowsToo: the tile's rows quantised too (RowsToo): row r0 + i's 128
+// values sit with the 16 threads t / 16 = r0 / 8 (a half-warp), so its amax
+// is theirs, and each thread stores its 8 bytes of it.
+template <typename Source, bool kRowsToo>
 __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, int64_t rows, int64_t cols,
-                                                              Fp8Scale kind, uint8_t* q_t, float* scales) {
+                                                              Fp8Scale kind, uint8_t* q_t, float* scales,
+                                                              RowsToo rows_too) {
   __shared__ float partial[16][kTile];  // [row group][column]
   __shared__ float col_scale[kTile];
   __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
@@ -273,6 +277,26 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
   const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
   uint4 raw[8];
   src.load(tr, tc, cols, r0, c8, raw);
+  if constexpr (kRowsToo) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float amax = amax_of_8(raw[i]);
+      // Over the half-warp only (xor offsets below 16); every lane takes part.
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const float s = tile_scale(amax, kind);
+      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+      uint32_t packed[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 f = __bfloat1622float2(pairs[j / 2]);
+        packed[j / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, s)) << (8 * (j % 4));
+      }
+      const int64_t row = tr * kTile + r0 + i;
+      *reinterpret_cast<uint2*>(rows_too.q + row * cols + tc * kTile + c8) = make_uint2(packed[0], packed[1]);
+      if (c8 == 0) rows_too.scales[row * (cols / kTile) + tc] = s;
+    }
+  }
   // Column amaxes over this thread's 8 rows, on bf16 pairs (exact; NaN propagates).
   __nv_bfloat162 m[4];
 #pragma unroll
@@ -336,6 +360,15 @@ unsigned row_blocks(int64_t tiles) {
   const int64_t tiles_per_block = kTilesInFlight * (kRowThreads / 32);
   return static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((tiles + tiles_per_block - 1) / tiles_per_block, int64_t{8} * sm_count)));
+}
+
+// RowsToo: both outputs or neither; q 8-byte aligned (the stores of 8 bytes).
+Status check_rows_too(const char* what, RowsToo r) {
+  if ((r.q == nullptr) != (r.scales == nullptr))
+    return invalid_argument(std::string(what) + ": RowsToo needs both q and scales, or neither");
+  if (reinterpret_cast<uintptr_t>(r.q) % 8 != 0)
+    return invalid_argument(std::string(what) + ": RowsToo's q must be 8-byte aligned");
+  return Status::Ok();
 }
 
 // The row kernels number tiles in 32 bits (RowsSource, RowsToSlotsSource).
@@ -428,31 +461,42 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
 }
 
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
-                            cudaStream_t stream, const int32_t* used_rows) {
+                            cudaStream_t stream, const int32_t* used_rows, RowsToo rows_too) {
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 column quantizer", rows, cols));
   if (x == nullptr || q_t == nullptr || scales == nullptr)
     return invalid_argument("fp8 column quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
+  MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 column quantizer", rows_too));
   const int64_t tiles = (rows / kTile) * (cols / kTile);
-  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
-      TileRows{static_cast<const __nv_bfloat16*>(x), used_rows}, rows, cols, scale, q_t, scales);
+  const TileRows src{static_cast<const __nv_bfloat16*>(x), used_rows};
+  if (rows_too.q != nullptr)
+    quantize_cols_t_kernel<TileRows, true>
+        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
+  else
+    quantize_cols_t_kernel<TileRows, false>
+        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
   return cuda_status("fp8 column quantizer", cudaGetLastError());
 }
 
 Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t* row_src, int top_k,
                                    const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q_t,
-                                   float* scales, cudaStream_t stream) {
+                                   float* scales, cudaStream_t stream, RowsToo rows_too) {
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 gathering column quantizer", capacity, cols));
   if (top_k <= 0) return invalid_argument("fp8 gathering column quantizer: top_k = " + std::to_string(top_k));
   if (src == nullptr || row_src == nullptr || pool_rows == nullptr || q_t == nullptr || scales == nullptr)
     return invalid_argument("fp8 gathering column quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 gathering column quantizer: src must be 16-byte and q_t 8-byte aligned");
+  MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 gathering column quantizer", rows_too));
   const int64_t tiles = (capacity / kTile) * (cols / kTile);
-  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
-      TileGather{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k}, capacity, cols, scale, q_t,
-      scales);
+  const TileGather from{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k};
+  if (rows_too.q != nullptr)
+    quantize_cols_t_kernel<TileGather, true>
+        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(from, capacity, cols, scale, q_t, scales, rows_too);
+  else
+    quantize_cols_t_kernel<TileGather, false>
+        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(from, capacity, cols, scale, q_t, scales, rows_too);
   return cuda_status("fp8 gathering column quantizer", cudaGetLastError());
 }
 
