@@ -371,6 +371,14 @@ Status check_rows_too(const char* what, RowsToo r) {
   return Status::Ok();
 }
 
+// The column kernel for src, with the rows too when rows_too asks (its own instantiation).
+template <typename Source>
+void launch_cols_t(const Source& src, int64_t tiles, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t,
+                   float* scales, RowsToo rows_too, cudaStream_t stream) {
+  auto* kernel = rows_too.q != nullptr ? quantize_cols_t_kernel<Source, true> : quantize_cols_t_kernel<Source, false>;
+  kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
+}
+
 // The row kernels number tiles in 32 bits (RowsSource, RowsToSlotsSource).
 Status check_row_tiles(const char* what, int64_t rows, int64_t cols) {
   if (rows * (cols / kTile) >= (int64_t{1} << 32))
@@ -469,13 +477,8 @@ Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale 
     return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
   MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 column quantizer", rows_too));
   const int64_t tiles = (rows / kTile) * (cols / kTile);
-  const TileRows src{static_cast<const __nv_bfloat16*>(x), used_rows};
-  if (rows_too.q != nullptr)
-    quantize_cols_t_kernel<TileRows, true>
-        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
-  else
-    quantize_cols_t_kernel<TileRows, false>
-        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
+  launch_cols_t(TileRows{static_cast<const __nv_bfloat16*>(x), used_rows}, tiles, rows, cols, scale, q_t, scales,
+                rows_too, stream);
   return cuda_status("fp8 column quantizer", cudaGetLastError());
 }
 
@@ -490,13 +493,8 @@ Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t*
     return invalid_argument("fp8 gathering column quantizer: src must be 16-byte and q_t 8-byte aligned");
   MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 gathering column quantizer", rows_too));
   const int64_t tiles = (capacity / kTile) * (cols / kTile);
-  const TileGather from{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k};
-  if (rows_too.q != nullptr)
-    quantize_cols_t_kernel<TileGather, true>
-        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(from, capacity, cols, scale, q_t, scales, rows_too);
-  else
-    quantize_cols_t_kernel<TileGather, false>
-        <<<static_cast<unsigned>(tiles), 256, 0, stream>>>(from, capacity, cols, scale, q_t, scales, rows_too);
+  launch_cols_t(TileGather{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k}, tiles, capacity, cols,
+                scale, q_t, scales, rows_too, stream);
   return cuda_status("fp8 gathering column quantizer", cudaGetLastError());
 }
 
