@@ -3,6 +3,7 @@
 // the format definitions: bit layouts, ties worked out by hand, and
 // brute-force nearest-value searches written here, never from the functions
 // under test.
+#include "core/fp8_scale.h"
 #include "reference/numerics.h"
 #include "testing/random_layer.h"
 
@@ -664,6 +665,53 @@ TEST(FakeQuantize, TinySubnormalTileStaysFinite) {
     fake_quantize_e4m3(d.data(), 1, 2, 1, 128, kind);
     EXPECT_FALSE(std::isnan(d[0])) << static_cast<int>(kind);
     EXPECT_EQ(d[1], 0.0) << static_cast<int>(kind);
+  }
+}
+
+// The GPU quantizers' division-free quotient (cuda/fp8/e4m3.cuh,
+// E4m3Quotients) with fp32 scales, emulated with the same IEEE fp32
+// operations: r = fl(1 / s), y = fl(v r), e = fl(y s - v), q = fl(y - e r).
+float corrected_quotient(float v, float s) {
+  const float r = 1.0f / s, y = v * r;
+  const float e = std::fmaf(y, s, -v);
+  return std::fmaf(-e, r, y);
+}
+
+// Every bf16 value v with |v| <= amax against the fp32 scales of every 31st
+// bf16 amax from 2^-96 (where the quantizers take the quotient; below it
+// they divide) to the largest: e4m3(q) == e4m3(fl(v / s)), always. The whole
+// domain (1.07e9 pairs) was checked once in session 25: no difference from
+// 2^-96 up; 206, all at amax <= 2^-105, below (the residual e underflows).
+// The controls show the sample can fail: q itself differs from fl(v / s),
+// and y alone (no correction) has e4m3 codes that differ.
+TEST(E4M3Quotient, CorrectedQuotientHasTheDivisionsCodes) {
+  int64_t checked = 0, wrong = 0, quotient_bits_differ = 0, uncorrected_wrong = 0;
+  const uint32_t first = bf16_bits_from_float(0x1p-96f);
+  for (uint32_t amax_bits = first; amax_bits < 0x7F80; amax_bits += 31) {
+    const float amax = float_from_bf16_bits(static_cast<uint16_t>(amax_bits));
+    ASSERT_GE(amax, 0x1p-96f);
+    const float s = megamoe::fp8_scale_fp32(amax);
+    for (uint32_t vb = 0; vb < 0x10000; ++vb) {
+      const float v = float_from_bf16_bits(static_cast<uint16_t>(vb));
+      if (!(std::fabs(v) <= amax)) continue;  // a tile's values: |v| <= amax
+      const float want = v / s, q = corrected_quotient(v, s);
+      wrong += e4m3_from_float(q) != e4m3_from_float(want);
+      quotient_bits_differ += bits_of(q) != bits_of(want);
+      uncorrected_wrong += e4m3_from_float(v * (1.0f / s)) != e4m3_from_float(want);
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 20000000);
+  EXPECT_EQ(wrong, 0) << "of " << checked;
+  EXPECT_GT(quotient_bits_differ, 0) << "q is fl(v / s) everywhere: the e4m3 comparison tests nothing";
+  EXPECT_GT(uncorrected_wrong, 0) << "v * (1 / s) alone has the division's codes: the sample has no hard case";
+}
+
+// Signed zeros keep their sign (e4m3 0x80 for -0), as the division's do.
+TEST(E4M3Quotient, CorrectedQuotientKeepsTheSignOfZero) {
+  for (const float s : {1.0f, 0x1p-90f, 3.5f, 1e30f}) {
+    EXPECT_EQ(bits_of(corrected_quotient(-0.0f, s)), bits_of(-0.0f)) << s;
+    EXPECT_EQ(bits_of(corrected_quotient(0.0f, s)), bits_of(0.0f)) << s;
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "core/fp8_scale.h"
@@ -48,5 +49,53 @@ __device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
 __device__ __forceinline__ uint8_t to_e4m3_pow2(float v, float inv_s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv_s), __NV_SATFINITE, __NV_E4M3));
 }
+
+// The e4m3 codes of a tile's values v / s (to_e4m3) without a division per
+// value where that gives the same codes, decided once per tile:
+//  - power-of-two scales: v * (1 / s) (to_e4m3_pow2's reasoning), always;
+//  - fp32 scales of a finite amax >= 2^-96: with r = fl(1 / s) (once),
+//    y = fl(v r), e = fl(y s - v) (one rounding: fma) and q = fl(y - e r),
+//    e4m3(q) = e4m3(fl(v / s)) for every bf16 v with |v| <= amax: checked
+//    exhaustively over all 1.07e9 (amax, v) bf16 pairs (q itself differs
+//    from fl(v / s) in the last fp32 bit for ~0.24% of them, never across an
+//    e4m3 rounding boundary; below amax 2^-96 the residual e underflows and
+//    206 codes differ, so those tiles divide). tests/cpu/numerics_test.cpp
+//    (E4M3Quotient) repeats the check on a sample, the quantizers' GPU tests
+//    compare bytes with the CPU reference. e is formed as y s - v, and q as
+//    y - e r, so that v = -0 gives q = -0 (the other signs give +0).
+// Three floating-point instructions a value, where the division is MUFU.RCP,
+// FCHK, 4 FFMA and a branch to a slow path each.
+struct E4m3Quotients {
+  float s, r;
+  bool pow2, fast;
+  __device__ __forceinline__ E4m3Quotients(float scale, float amax, Fp8Scale kind) {
+    s = scale;
+    r = __frcp_rn(scale);
+    pow2 = kind == Fp8Scale::kPowerOfTwo;
+    fast = pow2 || (amax >= 0x1p-96f && amax <= FLT_MAX);
+  }
+  // v / s, or with fp32 scales a float whose e4m3 code is v / s's (fast tiles only).
+  __device__ __forceinline__ float quotient(float v) const {
+    const float y = __fmul_rn(v, r);
+    if (pow2) return y;
+    const float e = __fmaf_rn(y, s, -v);
+    return __fmaf_rn(-e, r, y);
+  }
+  // The codes of 8 values, value i in byte i % 4 of word i / 4.
+  __device__ __forceinline__ uint2 pack8(const float (&v)[8]) const {
+    uint32_t w[2] = {0, 0};
+    if (fast) {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2)
+        w[i / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(quotient(v[i]), quotient(v[i + 1])),
+                                                                    __NV_SATFINITE, __NV_E4M3))
+                    << (8 * (i % 4));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i / 4] |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * (i % 4));
+    }
+    return make_uint2(w[0], w[1]);
+  }
+};
 
 }  // namespace megamoe::cuda::fp8

@@ -13,9 +13,9 @@ namespace {
 
 constexpr int kTile = 128;
 
+using fp8::E4m3Quotients;
 using fp8::fold_amax;
 using fp8::tile_scale;
-using fp8::to_e4m3;
 
 // The amax of 8 bf16 values (one 16-byte load) as fold_amax would fold them:
 // |v| and the maximum taken on bf16 pairs (exact: the values are bf16; NaN
@@ -24,6 +24,16 @@ __device__ __forceinline__ float amax_of_8(const uint4& raw) {
   const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
   return fp8::amax_of_pair(__hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])),
                                        __hmax2_nan(__habs2(p[2]), __habs2(p[3]))));
+}
+
+// The 8 bf16 values of one 16-byte load as floats.
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
+  const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
 }
 
 // The tiles of [rows, cols] are consecutive 128-element runs (tile t at
@@ -124,21 +134,14 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
 #pragma unroll
     for (int u = 0; u < kHalfSteps; ++u) {
       const int64_t t = base + 2 * u + half;
-      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
       float v[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-      }
+      unpack8(raw[u], v);
       float amax = amax_of_8(raw[u]);
       // Over the half-warp only (xor offsets below 16); every lane takes part.
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
       const float s = tile_scale(amax, kind);
-      uint2 packed = make_uint2(0, 0);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) (i < 4 ? packed.x : packed.y) |= static_cast<uint32_t>(to_e4m3(v[i], s)) << (8 * (i % 4));
+      const uint2 packed = E4m3Quotients(s, amax, kind).pack8(v);
       if (t < tiles) {
         reinterpret_cast<uint2*>(src.q_tile(q, t))[hl] = packed;
         if (hl == 0) *src.scale_of(scales, t) = s;
@@ -225,17 +228,15 @@ __global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat1
   amax = 0.0f;
   for (int i = 0; i < 8; ++i) amax = fold_amax(amax, warp_amax[i]);
   const float s = tile_scale(amax, kind);
+  const E4m3Quotients by(s, amax, kind);
   uint8_t* dst = q == nullptr ? nullptr : q + b * rows * cols + tr * kTile * cols + tc * kTile;
   uint32_t packed[8][2];  // row r0 + i: columns c8 .. c8 + 7, one byte each
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-    packed[i][0] = packed[i][1] = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 f = __bfloat1622float2(pairs[j / 2]);
-      packed[i][j / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, s)) << (8 * (j % 4));
-    }
+    float v[8];
+    unpack8(raw[i], v);
+    const uint2 p = by.pack8(v);
+    packed[i][0] = p.x, packed[i][1] = p.y;
     if (dst != nullptr)
       *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(r0 + i) * cols + c8) = make_uint2(packed[i][0], packed[i][1]);
   }
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
                                                               Fp8Scale kind, uint8_t* q_t, float* scales,
                                                               RowsToo rows_too) {
   __shared__ float partial[16][kTile];  // [row group][column]
-  __shared__ float col_scale[kTile];
+  __shared__ float col_scale[kTile], col_amax[kTile];
   __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
   const int64_t tiles_c = cols / kTile;
   const int64_t tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
@@ -285,15 +286,10 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
       const float s = tile_scale(amax, kind);
-      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-      uint32_t packed[2] = {0, 0};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 f = __bfloat1622float2(pairs[j / 2]);
-        packed[j / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, s)) << (8 * (j % 4));
-      }
+      float v[8];
+      unpack8(raw[i], v);
       const int64_t row = tr * kTile + r0 + i;
-      *reinterpret_cast<uint2*>(rows_too.q + row * cols + tc * kTile + c8) = make_uint2(packed[0], packed[1]);
+      *reinterpret_cast<uint2*>(rows_too.q + row * cols + tc * kTile + c8) = E4m3Quotients(s, amax, kind).pack8(v);
       if (c8 == 0) rows_too.scales[row * (cols / kTile) + tc] = s;
     }
   }
@@ -317,26 +313,21 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
     for (int g = 0; g < 16; ++g) mx = fold_amax(mx, partial[g][t]);
     const float sc = tile_scale(mx, kind);
     col_scale[t] = sc;
+    col_amax[t] = mx;
     scales[tr * cols + tc * kTile + t] = sc;
   }
   __syncthreads();
-  float sc[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) sc[j] = col_scale[c8 + j];
-  uint32_t col[8][2];  // column c8 + j: rows r0 .. r0 + 7, one byte each
+  for (int j = 0; j < 8; ++j) {  // column c8 + j: rows r0 .. r0 + 7, one byte each
+    float col[8];  // unpacked a column at a time: the values stay bf16 in registers (occupancy)
 #pragma unroll
-  for (int j = 0; j < 8; ++j) col[j][0] = col[j][1] = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 f = __bfloat1622float2(pairs[j / 2]);
-      col[j][i / 4] |= static_cast<uint32_t>(to_e4m3(j % 2 == 0 ? f.x : f.y, sc[j])) << (8 * (i % 4));
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&raw[i])[j / 2]);
+      col[i] = j % 2 == 0 ? f.x : f.y;
     }
+    *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) =
+        E4m3Quotients(col_scale[c8 + j], col_amax[c8 + j], kind).pack8(col);
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) *reinterpret_cast<uint2*>(&tile_t[c8 + j][r0]) = make_uint2(col[j][0], col[j][1]);
   // q_t [cols, rows]: row c of the transposed tile holds column c of the tile.
   store_transposed_tile(tile_t, q_t + tc * kTile * rows + tr * kTile, rows);
 }

@@ -2,7 +2,9 @@
 // (reference/numerics.h states it; core/fp8_scale.h is the scale rule, shared
 // with the CPU reference, which these match bit for bit):
 //   q = e4m3_satfinite(v / s) (IEEE fp32 division, cvt.rn.satfinite), one
-//   scale s per tile.
+//   scale s per tile. The kernels reach the same codes without a division
+//   per value where that is proven (fp8::E4m3Quotients: a multiply and two
+//   fma; the division for tiles of amax < 2^-96 or non-finite).
 //
 // Layouts (row-major, bytes):
 //   rows:   x bf16 [rows, cols] -> q u8 [rows, cols], scales f32 [rows, cols / 128]
