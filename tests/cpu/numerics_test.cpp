@@ -707,6 +707,29 @@ TEST(E4M3Quotient, CorrectedQuotientHasTheDivisionsCodes) {
   EXPECT_GT(uncorrected_wrong, 0) << "v * (1 / s) alone has the division's codes: the sample has no hard case";
 }
 
+// The device's fp32 scale without a division (cuda/fp8/e4m3.cuh,
+// scale_fp32_of_bf16_amax): bitwise fp8_scale_fp32 for every finite bf16
+// amax; y alone (no correction) is not, so the check can fail.
+TEST(E4M3Quotient, ScaleWithoutTheDivisionIsTheScaleForEveryBf16Amax) {
+  const float r = 1.0f / 448.0f;
+  int differ = 0, uncorrected_differ = 0;
+  for (uint32_t b = 0; b < 0x7F80; ++b) {
+    const float amax = float_from_bf16_bits(static_cast<uint16_t>(b));
+    float s = 1.0f, y = 1.0f;
+    if (amax != 0.0f) {
+      y = amax * r;
+      const float e = std::fmaf(y, 448.0f, -amax);
+      s = std::fmaf(-e, r, y);
+      s = s < FLT_MIN ? FLT_MIN : s;
+      y = y < FLT_MIN ? FLT_MIN : y;
+    }
+    differ += bits_of(s) != bits_of(megamoe::fp8_scale_fp32(amax));
+    uncorrected_differ += bits_of(y) != bits_of(megamoe::fp8_scale_fp32(amax));
+  }
+  EXPECT_EQ(differ, 0);
+  EXPECT_GT(uncorrected_differ, 0);
+}
+
 // Signed zeros keep their sign (e4m3 0x80 for -0), as the division's do.
 TEST(E4M3Quotient, CorrectedQuotientKeepsTheSignOfZero) {
   for (const float s : {1.0f, 0x1p-90f, 3.5f, 1e30f}) {
