@@ -17,13 +17,24 @@ using fp8::E4m3Quotients;
 using fp8::fold_amax;
 using fp8::tile_scale;
 
-// The amax of 8 bf16 values (one 16-byte load) as fold_amax would fold them:
-// |v| and the maximum taken on bf16 pairs (exact: the values are bf16; NaN
-// propagates), then a NaN made the canonical one fold_amax returns.
-__device__ __forceinline__ float amax_of_8(const uint4& raw) {
+// The amax of 8 bf16 values (one 16-byte load), kept as a bf16 pair: |v|
+// and the maximum taken on pairs (exact: the values are bf16; NaN
+// propagates). amax_of_8 folds it to the float fold_amax would make (a NaN
+// the canonical one).
+__device__ __forceinline__ __nv_bfloat162 amax_pair_of_8(const uint4& raw) {
   const auto* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-  return fp8::amax_of_pair(__hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])),
-                                       __hmax2_nan(__habs2(p[2]), __habs2(p[3]))));
+  return __hmax2_nan(__hmax2_nan(__habs2(p[0]), __habs2(p[1])), __hmax2_nan(__habs2(p[2]), __habs2(p[3])));
+}
+__device__ __forceinline__ float amax_of_8(const uint4& raw) { return fp8::amax_of_pair(amax_pair_of_8(raw)); }
+
+// A 1 x 128 tile's amax over the 16 lanes of a half-warp (xor offsets below
+// 16; every lane takes part), each holding 8 of its values: reduced as bf16
+// pairs (one max a step instead of fold_amax's NaN tests), folded once.
+__device__ __forceinline__ float half_warp_amax(const uint4& raw) {
+  __nv_bfloat162 m = amax_pair_of_8(raw);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) m = __hmax2_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  return fp8::amax_of_pair(m);
 }
 
 // The 8 bf16 values of one 16-byte load as floats.
@@ -117,8 +128,11 @@ struct GatherSource {
   __device__ float* scale_of(float* scales, int64_t t) const { return scales + scale_at(t); }
 };
 
+// At most 64 registers (4 blocks, 32 warps an SM): the loads in flight per
+// SM are what the pass's bandwidth needs, and 65-72 registers leave 3 blocks.
 template <typename Source>
-__global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q, float* scales) {
+__global__ void __launch_bounds__(kRowThreads, 4) quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q,
+                                                                       float* scales) {
   const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -136,10 +150,7 @@ __global__ void quantize_rows_kernel(const Source src, Fp8Scale kind, uint8_t* q
       const int64_t t = base + 2 * u + half;
       float v[8];
       unpack8(raw[u], v);
-      float amax = amax_of_8(raw[u]);
-      // Over the half-warp only (xor offsets below 16); every lane takes part.
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const float amax = half_warp_amax(raw[u]);
       const float s = tile_scale(amax, kind);
       const uint2 packed = E4m3Quotients(s, amax, kind).pack8(v);
       if (t < tiles) {
@@ -208,7 +219,7 @@ __device__ __forceinline__ void store_transposed_tile(const uint8_t (&tile_t)[kT
   }
 }
 
-__global__ void __launch_bounds__(256) quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
+__global__ void __launch_bounds__(256, 4) quantize_blocks_kernel(const __nv_bfloat16* w, int64_t rows, int64_t cols, Fp8Scale kind, uint8_t* q,
                                        uint8_t* q_t, float* scales) {
   __shared__ float warp_amax[8];
   __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
@@ -281,10 +292,7 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
   if constexpr (kRowsToo) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      float amax = amax_of_8(raw[i]);
-      // Over the half-warp only (xor offsets below 16); every lane takes part.
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) amax = fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const float amax = half_warp_amax(raw[i]);
       const float s = tile_scale(amax, kind);
       float v[8];
       unpack8(raw[i], v);
