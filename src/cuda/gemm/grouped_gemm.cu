@@ -130,7 +130,10 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   } else if constexpr (!kWgrad) {
     sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
   }
-  const bool load_scales = !p.args.debug_unit_scales;  // timing only: false takes every scale as 1
+  // Timing only: false takes every scale as 1 (debug_unit_scales; kGateUp and
+  // kWeightGrad only: the other modes' code stays as it was, kDownGrad's
+  // register spills included).
+  const bool load_scales = !((M == GemmMode::kGateUp || kWgrad) && p.args.debug_unit_scales);
   float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
