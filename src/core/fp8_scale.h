@@ -1,9 +1,10 @@
 // The FP8 block scales of the DeepSeek-V3 style recipes (reference/numerics.h
 // states them), one definition for the CPU reference and the GPU quantizers
-// (cuda/fp8/quantize.cu), so that the two agree bit for bit by construction
-// (the GPU's fp32 rule is computed without the division,
-// cuda/fp8/e4m3.cuh scale_fp32_of_bf16_amax: bitwise this one for every
-// bf16 amax, checked exhaustively in tests/cpu/numerics_test.cpp).
+// (cuda/fp8/quantize.cu), so that the two agree bit for bit: by construction
+// for pow2; the GPU computes the fp32 rule without the division
+// (cuda/fp8/e4m3.cuh scale_fp32_of_bf16_amax), bitwise this one for every
+// bf16 amax, checked exhaustively (tests/cpu/numerics_test.cpp, and on the
+// device tests/gpu/gpu_numerics_test.cu).
 //   fp32: s = amax / 448 in fp32, at least FLT_MIN; an all-zero tile gets 1.
 //   pow2: s = 2^ceil(log2(amax / 448)), the exponent at least FLT_MIN's (-126);
 //         an all-zero tile gets 1. ceil(log2 x) comes from frexp (x = m 2^e,

@@ -136,7 +136,8 @@ void expect_row_tiles_match(int64_t rows, int64_t cols, ScaleKind kind, cuda::Fp
   for (int64_t c = 0; c < 128; ++c) {
     x[static_cast<size_t>(c)] = 0;                  // row 0, tile 0: all zero
     x[static_cast<size_t>(cols + 128 + c)] = tiny;  // row 1, tile 1: tiny values
-    // row 4, tile 1: varied subnormals of both signs (amax < 2^-96: the quantizers divide there)
+    // row 4, tile 1: varied tiny values of both signs, subnormals and the smallest normals (amax < 2^-96:
+    // the quantizers divide there)
     x[static_cast<size_t>(4 * cols + 128 + c)] = static_cast<uint16_t>((c % 2 ? 0x8000u : 0u) | (1u + 3u * c));
   }
   x[static_cast<size_t>(2 * cols + 256 + 5)] = 0x7FC0;  // row 2, tile 2: a NaN
@@ -379,7 +380,7 @@ TEST_P(Fp8Quantize, ColumnTilesTransposedMatchTheReferenceBitwise) {
   for (int64_t r = 0; r < 128; ++r) x[static_cast<size_t>(r * cols)] = 0;  // column 0, row tile 0: all zero
   x[static_cast<size_t>((128 + 7) * cols + 5)] = 0x7FC0;                   // column 5, row tile 1: a NaN
   x[static_cast<size_t>((256 + 3) * cols + 200)] = 0xFF80;                 // column 200, row tile 2: -inf
-  for (int64_t r = 0; r < 128; ++r)  // column 7, row tile 0: varied subnormals (amax < 2^-96: divided)
+  for (int64_t r = 0; r < 128; ++r)  // column 7, row tile 0: varied tiny values (amax < 2^-96: divided)
     x[static_cast<size_t>(r * cols + 7)] = static_cast<uint16_t>((r % 2 ? 0x8000u : 0u) | (1u + 3u * r));
   Dev<uint16_t> dx(x.size());
   Dev<uint8_t> dqt(x.size());

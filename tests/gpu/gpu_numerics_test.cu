@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "core/fp8_scale.h"
+#include "cuda/fp8/e4m3.cuh"
 #include "reference/numerics.h"
 #include "testing/random_layer.h"
 
@@ -74,6 +76,65 @@ std::vector<float> test_inputs() {
     v.push_back(static_cast<float>(std::ldexp(m, e)));
   }
   return v;
+}
+
+// The quantizers' per-tile arithmetic (cuda/fp8/e4m3.cuh) on the device
+// against the division it replaces, for every bf16 amax (block b: amax of
+// bf16 bits b, NaNs and inf included) and every bf16 value of such a tile
+// (|v| <= amax; any value when amax is not finite), both scale kinds:
+// counts[kind]: tile_scale differs from fp8_scale_fp32 / fp8_scale_pow2;
+// counts[2 + kind]: E4m3Quotients::pack8's code differs from to_e4m3's;
+// counts[4]: the same with fp32 tiles of amax < 2^-96 forced onto the fast
+// path (the control: the fallback there is needed, so the test can fail).
+__global__ void quotient_kernel(unsigned long long* counts) {
+  using cuda::Fp8Scale;
+  const uint32_t ab = blockIdx.x;
+  const float amax = __uint_as_float(ab << 16);
+  const bool finite = ab < 0x7F80u;
+  for (int kind = 0; kind < 2; ++kind) {
+    const Fp8Scale k = kind == 0 ? Fp8Scale::kFloat32 : Fp8Scale::kPowerOfTwo;
+    const float s = cuda::fp8::tile_scale(amax, k);
+    const float want_s = kind == 0 ? fp8_scale_fp32(amax) : fp8_scale_pow2(amax);
+    if (threadIdx.x == 0 && __float_as_uint(s) != __float_as_uint(want_s)) atomicAdd(&counts[kind], 1ull);
+    const cuda::fp8::E4m3Quotients by(s, amax, k);
+    cuda::fp8::E4m3Quotients forced = by;
+    forced.fast = true;
+    const bool control = kind == 0 && finite && amax < 0x1p-96f;
+    unsigned long long wrong = 0, forced_wrong = 0;
+    for (uint32_t g = threadIdx.x; g < 8192; g += blockDim.x) {
+      float v[8];
+      for (int i = 0; i < 8; ++i) {
+        const float x = __uint_as_float((g * 8 + i) << 16);
+        v[i] = finite && !(fabsf(x) <= amax) ? 0.0f : x;
+      }
+      const uint2 p = by.pack8(v), pf = forced.pack8(v);
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t want = cuda::fp8::to_e4m3(v[i], s);
+        wrong += (((i < 4 ? p.x : p.y) >> (8 * (i % 4))) & 0xFFu) != want;
+        forced_wrong += control && (((i < 4 ? pf.x : pf.y) >> (8 * (i % 4))) & 0xFFu) != want;
+      }
+    }
+    if (wrong > 0) atomicAdd(&counts[2 + kind], wrong);
+    if (forced_wrong > 0) atomicAdd(&counts[4], forced_wrong);
+  }
+}
+
+TEST(GpuNumerics, QuantizerQuotientsAreTheDivisionsCodes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
+  unsigned long long* d_counts;
+  CUDA_OK(cudaMalloc(&d_counts, 5 * sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d_counts, 0, 5 * sizeof(unsigned long long)));
+  quotient_kernel<<<0x8000, 256>>>(d_counts);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned long long counts[5];
+  CUDA_OK(cudaMemcpy(counts, d_counts, sizeof counts, cudaMemcpyDeviceToHost));
+  cudaFree(d_counts);
+  EXPECT_EQ(counts[0], 0u) << "fp32 scales differ from fp8_scale_fp32";
+  EXPECT_EQ(counts[1], 0u) << "pow2 scales differ from fp8_scale_pow2";
+  EXPECT_EQ(counts[2], 0u) << "fp32 codes differ from the division's";
+  EXPECT_EQ(counts[3], 0u) << "pow2 codes differ from the division's";
+  EXPECT_GT(counts[4], 0u) << "the fast path is right on tiny tiles too: the control cannot fail";
 }
 
 TEST(GpuNumerics, ReferenceRoundingMatchesHardwareConversions) {

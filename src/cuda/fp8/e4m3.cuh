@@ -1,7 +1,8 @@
 // The recipe's per-tile arithmetic on the device, shared by the quantizers
 // (quantize.cu) and the engine's quantising epilogues (gemm/epilogues.cuh), so
-// that both produce the CPU reference's bytes and scales (core/fp8_scale.h)
-// by construction. Device code only.
+// that both produce the CPU reference's bytes and scales (core/fp8_scale.h):
+// by construction, or where a division is replaced by exhaustive checks
+// (tests/cpu/numerics_test.cpp, tests/gpu/gpu_numerics_test.cu). Device code only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,8 +59,8 @@ __device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
 // infinite one), given inv_s = 1 / s: v / s and v * 2^-k are the same real
 // number rounded once (2^-k is exact in fp32 for every exponent
 // fp8_scale_pow2 makes), and 1 / inf = 0, 1 / NaN = NaN give the division's
-// zeros and NaNs. One multiply instead of a division (MUFU.RCP, 5 FFMA and a
-// range check with a branch to a slow path).
+// zeros and NaNs. One multiply instead of a division (MUFU.RCP, FCHK, 4
+// FFMA and a branch to a slow path).
 __device__ __forceinline__ uint8_t to_e4m3_pow2(float v, float inv_s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv_s), __NV_SATFINITE, __NV_E4M3));
 }
@@ -86,7 +87,7 @@ struct E4m3Quotients {
     s = scale;
     r = __frcp_rn(scale);
     pow2 = kind == Fp8Scale::kPowerOfTwo;
-    fast = pow2 || (amax >= 0x1p-96f && amax <= FLT_MAX);
+    fast = pow2 || amax == 0.0f || (amax >= 0x1p-96f && amax <= FLT_MAX);  // 0: only +-0, exact
   }
   // v / s, or with fp32 scales a float whose e4m3 code is v / s's (fast tiles only).
   __device__ __forceinline__ float quotient(float v) const {

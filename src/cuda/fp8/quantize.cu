@@ -50,8 +50,8 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
 // The tiles of [rows, cols] are consecutive 128-element runs (tile t at
 // element 128 t, its scale at t). Each half-warp takes one tile per step, each
 // lane 8 values (one 16-byte load); a warp keeps kTilesInFlight tiles' loads
-// outstanding before it reduces any of them, and strides over the grid, which
-// is sized to fill the GPU once: the one-tile-per-warp form ran at 1.4 TB/s.
+// outstanding before it reduces any of them, and strides over the grid
+// (row_blocks): the one-tile-per-warp form ran at 1.4 TB/s.
 constexpr int kHalfSteps = 4;                       // tiles per half-warp per step
 constexpr int kTilesInFlight = 2 * kHalfSteps;      // per warp
 constexpr int kRowThreads = 256;
@@ -347,8 +347,8 @@ Status check_shape(const char* what, int64_t rows, int64_t cols) {
   return Status::Ok();
 }
 
-// Blocks of the row quantizers: one pass of the grid covers up to 8 blocks per
-// SM (2048 threads: full occupancy); the rest stride.
+// Blocks of the row quantizers: up to 8 per SM, which at their 64 registers
+// (4 blocks an SM fit) run as two waves; beyond that the blocks stride.
 unsigned row_blocks(int64_t tiles) {
   static const int sm_count = [] {  // thread-safe once; the machines' GPUs are alike
     int device = 0, n = 0;

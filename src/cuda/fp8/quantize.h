@@ -3,8 +3,9 @@
 // with the CPU reference, which these match bit for bit):
 //   q = e4m3_satfinite(v / s) (IEEE fp32 division, cvt.rn.satfinite), one
 //   scale s per tile. The kernels reach the same codes without a division
-//   per value where that is proven (fp8::E4m3Quotients: a multiply and two
-//   fma; the division for tiles of amax < 2^-96 or non-finite).
+//   per value where that is proven (fp8::E4m3Quotients: with pow2 scales a
+//   multiply; with fp32 scales a multiply and two fma, and the division for
+//   tiles of amax in (0, 2^-96) or non-finite).
 //
 // Layouts (row-major, bytes):
 //   rows:   x bf16 [rows, cols] -> q u8 [rows, cols], scales f32 [rows, cols / 128]

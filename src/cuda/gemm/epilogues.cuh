@@ -303,8 +303,10 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   // dz_q and dz_s of row half h from the bf16 dz this thread has just written
   // into the chunk (its own places: no barrier), with its pairs' maxima: the
   // quad's maximum is the row's over the tile's 128 g (u) columns. The same
-  // amax, scale and division as quantize_e4m3_rows on those bf16 values
-  // (with pow2 scales a multiply by the exact reciprocal: the same bytes).
+  // amax and scale as quantize_e4m3_rows on those bf16 values, and the same
+  // codes: the division with fp32 scales (the row quantizer's corrected
+  // quotient gives the division's codes), with pow2 scales a multiply by the
+  // exact reciprocal.
   static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, const Tile& tile, int h,
                                                      const __nv_bfloat162 (&dz_amax)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate, groups = 2 * I / 128, rows = a.a_rows;
