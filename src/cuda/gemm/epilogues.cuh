@@ -80,9 +80,8 @@ __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7
 //    consecutive chunks of a row (whole 32-byte sectors per warp), from a
 //    staging tile of a row half (kRows 64: kEpilogueBytesOf). No TMA:
 //    one bulk copy per row segment (128 to 384 a tile) goes through the SM's
-//    TMA unit, which the producer's stage loads need; with the staged
-//    epilogues skipped altogether the FP8 kGateUp, kDown and kGateUpGrad ran
-//    41-44% faster (perf-log, session 24).
+//    TMA unit, which the producer's stage loads need (FP8 kGateUp -9% at
+//    235B with these stores, perf-log session 25).
 //  - else (bf16) thread r's row r as bulk copies that run on while the
 //    consumer goes on (faster than stores from registers for bf16: kDown 816
 //    -> 702 us at 30B, session 18). Every thread first fences its staging
@@ -136,24 +135,22 @@ struct EpilogueContext {
 };
 
 // What every epilogue starts with: the barrier after which the previous
-// tile's stores have finished reading staging (staging_free) and row_dst.
-// Slot-writing modes (kSlots) then put each row's destination, dst_of(its
-// row_src), in row_dst, a thread a row (the load overlaps the barrier): the
-// stores read it from shared memory, and the slot arithmetic (a 64-bit
-// division by top_k) runs once a row, not once a 16-byte chunk (the FP8
-// kernels' plain stores: kDown 2030 -> 2300 us at 235B before, session 25).
-template <bool kSlots, typename DstOf>
-__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm,
-                                               DstOf dst_of) {
-  const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup
-  int32_t my_src = 0;
-  if (kSlots) my_src = plan.row_src[pool_row0 + tid];
+// tile's stores have finished reading staging (staging_free).
+__device__ __forceinline__ void begin_epilogue() { staging_free(); }
+
+// The slot-writing modes' start (kDown, kGateUpGrad): after the barrier, which
+// also frees row_dst, each row's destination dst_of(its row_src) goes to
+// row_dst, a thread a row (the row_src load overlaps the barrier). The stores
+// read it from shared memory, and the slot arithmetic (a 64-bit division by
+// top_k) runs once a row, not once a 16-byte chunk (the FP8 kernels' plain
+// stores: kDown 2030 -> 2300 us at 235B before, session 25).
+template <typename DstOf>
+__device__ __forceinline__ void begin_slot_epilogue(const DevicePlan& plan, int64_t pool_row0,
+                                                    const EpilogueContext& sm, DstOf dst_of) {
+  const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup: one tile row
+  const int32_t my_src = plan.row_src[pool_row0 + tid];
   staging_free();
-  if (kSlots) sm.row_dst[tid] = dst_of(my_src);
-}
-template <bool kSlots>
-__device__ __forceinline__ void begin_epilogue(const DevicePlan& plan, int64_t pool_row0, const EpilogueContext& sm) {
-  begin_epilogue<kSlots>(plan, pool_row0, sm, [](int32_t) -> __nv_bfloat16* { return nullptr; });
+  sm.row_dst[tid] = dst_of(my_src);
 }
 
 // kDirect: the staged modes store with plain stores (store_rows; the FP8 kernels).
@@ -166,11 +163,10 @@ struct Epilogue<GemmMode::kGateUp, kDirect> {
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
-    const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
     const int64_t I = a.intermediate;
     const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-    begin_epilogue<false>(plan, pool_row0, sm);
+    begin_epilogue();
     // acc columns [0, 64): gate g, [64, 128): up u, both for a-columns 64n + c.
     auto* z_pool = static_cast<__nv_bfloat16*>(a.out0);
     auto* a_pool = static_cast<__nv_bfloat16*>(a.out1);
@@ -228,7 +224,7 @@ struct SlotEpilogue {
     const int64_t T = plan.num_tokens, N = a.n;
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
     const GroupedGemmArgs::PeerSlots& peer = a.peer_slots;
-    begin_epilogue<true>(plan, pool_row0, sm, [&](int32_t src) -> __nv_bfloat16* {
+    begin_slot_epilogue(plan, pool_row0, sm, [&](int32_t src) -> __nv_bfloat16* {
       if (src < 0) return nullptr;
       const int64_t v = src / k, j = src % k;
       if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
@@ -472,9 +468,7 @@ struct Epilogue<GemmMode::kWeightGrad, kDirect> {
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
-    const DevicePlan& plan = a.plan;
-    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-    begin_epilogue<false>(plan, pool_row0, sm);
+    begin_epilogue();
     // A quad's four threads hold 8 adjacent columns of a row: 32-byte (fp32)
     // or 16-byte (bf16) contiguous pieces per row.
     const int64_t N = a.n;
