@@ -284,12 +284,6 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp fp8 kbs", scales_by_k_block(gate_up(true), sx_kb), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 poll", polling(gate_up(true)), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 noepi", no_epilogue(gate_up(true)), 2 * routes * 2 * Id * Hd);
-  // The main loop with every scale 1 and none loaded (debug_unit_scales): against `noepi`, what the scale loads cost.
-  auto unit_scales = [](cuda::GroupedGemmArgs g) {
-    g.debug_unit_scales = true;
-    return g;
-  };
-  time_gemm("kGateUp fp8 noepi unit", unit_scales(no_epilogue(gate_up(true))), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp bf16 noepi", no_epilogue(gate_up(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
@@ -318,8 +312,6 @@ int main(int argc, char** argv) {
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
-  time_gemm("dW13 fp8 unit", unit_scales(wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t)),
-            2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8 poll", polling(wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t)),
             2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },

@@ -130,35 +130,25 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   } else if constexpr (!kWgrad) {
     sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
   }
-  // Timing only: false takes every scale as 1 (debug_unit_scales; kGateUp and
-  // kWeightGrad only: the other modes' code stays as it was, kDownGrad's
-  // register spills included).
-  const bool load_scales = !((M == GemmMode::kGateUp || kWgrad) && p.args.debug_unit_scales);
   float tmp[64];
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // Scales first: their loads fly while the stage is waited for.
     float b_s[2] = {1.0f, 1.0f};
-    float a_s[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
-    if constexpr (!kWgrad)
-      if (load_scales)
-        b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+    float a_s[2][2];
+    if constexpr (!kWgrad) b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
     if constexpr (!kWgrad && !kARing) {
-      if (load_scales) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
-      }
+        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad, kARing
-    if constexpr (kWgrad || kARing) {
-      if (load_scales) {  // the tile's row r's scale at stage_scales[r]
+    if constexpr (kWgrad || kARing) {  // the tile's row r's scale at stage_scales[r]
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
-      }
+        for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
     }
     const uint8_t* stage_a = smem + ps.stage() * kStageBytes;
     const uint8_t* stage_b = stage_a + kTileBytesA;
@@ -178,7 +168,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
         // Column acc_col(i): the first 64 columns in registers 0..31 (B scale block 0), the rest in 32..63.
-        const float b = kWgrad && load_scales ? stage_scales[128 + acc_col(i)] : b_s[i >> 5];
+        const float b = kWgrad ? stage_scales[128 + acc_col(i)] : b_s[i >> 5];
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }

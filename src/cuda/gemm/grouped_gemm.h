@@ -141,12 +141,6 @@ struct GroupedGemmArgs {
   // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
-  // Timing only (gemm-bench's `unit` rows): the FP8 main loop of kGateUp and
-  // kWeightGrad (ignored elsewhere) takes every scale as 1 and loads none
-  // (the promotion's multiply-adds stay): the output is the GEMM's with
-  // all-one scales. With debug_skip_epilogue, what the scale loads cost
-  // apart from the promotion itself.
-  bool debug_unit_scales = false;
   // Split rings (the FP8 kernels): the producer parks on the earlier tile's
   // empty barrier for up to this many nanoseconds a turn (mbarrier.try_wait's
   // suspend-time hint), leaving the issue slots of its sub-partition to the
