@@ -77,43 +77,27 @@ struct ModeTraits {
   // kGateUp 1.29 -> 1.34 ms, kDown 823 -> 819 us, kDownGrad 818 -> 852 us,
   // kGateUpGrad 1.35 -> 1.37 ms (perf-log, session 17).
   static constexpr bool kPairs = M == GemmMode::kWeightGrad;
-  // The slot-writing modes' row destinations (epilogues.cuh begin_slot_epilogue): a pointer per tile row, per consumer.
+  static constexpr int kBarriers = 2 * kStages + 4;
+  // The slot-writing modes' row destinations (epilogues.cuh begin_epilogue): a pointer per tile row, per consumer.
   static constexpr int kRowDstBytes = M == GemmMode::kDown || M == GemmMode::kGateUpGrad ? 2 * kBlockM * 8 : 0;
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
-
-// FP8's staged modes stage their output in the tile's last stage: the
-// consumer keeps that stage (does not release it) through the epilogue, puts
-// a row half (64 rows, epilogues.cuh store_rows with kDirect) and, in the
-// slot-writing modes, the rows' destinations in it, and releases it after.
-// The 34 KB of epilogue buffers become a third stage per consumer ring
-// (three 32 KB stages in flight per consumer instead of two), and shared
-// memory stays under the 196 KB carve-out, which leaves L1 60 KB for the
-// consumers' A-scale loads (16 KB of lines a tile).
-template <GemmMode M, bool kFp8>
-inline constexpr bool kStagingInStage = kFp8 && ModeTraits<M>::kStaged;
-inline constexpr int kStagedRowDstOffset = kBlockM / 2 * kStagingLd * 2;  // row_dst after a row half's staging
-static_assert(kStagedRowDstOffset % 16 == 0 && kStagedRowDstOffset + kBlockM * 8 <= kStageBytes,
-              "a row half's staging and the tile's row destinations fit in one stage");
-
-// The ring depth: FP8's staged modes 6 (two rings of 3), else the mode's.
-template <GemmMode M, bool kFp8>
-inline constexpr int kStagesOf = kStagingInStage<M, kFp8> ? 6 : ModeTraits<M>::kStages;
-template <GemmMode M, bool kFp8>
-inline constexpr int kBarriersOf = 2 * kStagesOf<M, kFp8> + 4;
 
 // The stages a kernel keeps in shared memory: the FP8 kernels' split rings
 // (pipeline.cuh) use two rings of kStages / 2, so kDownGrad leaves its
 // unused fifth stage out.
 template <GemmMode M, bool kFp8, bool kRing>
-inline constexpr int kStagesUsed = kFp8 ? kStagesOf<M, kFp8> / 2 * 2 : kStagesOf<M, kFp8>;
+inline constexpr int kStagesUsed = kFp8 ? ModeTraits<M>::kStages / 2 * 2 : ModeTraits<M>::kStages;
 
-// A consumer's epilogue buffer (none where the staging is in the stage).
+// A consumer's epilogue buffer: the FP8 kernels stage a row half (64 rows) at
+// a time (epilogues.cuh store_rows, kDirect), so that their shared memory
+// stays under the 196 KB carve-out and L1 keeps 60 KB instead of 28 (the
+// M-grouped FP8 consumers read A's row scales through it: 16 KB of lines a
+// tile).
 template <GemmMode M, bool kFp8>
-inline constexpr int kEpilogueBytesOf = kStagingInStage<M, kFp8> ? 0 : ModeTraits<M>::kEpilogueBytes;
-// The slot-writing modes' row destinations beside the barriers (bf16; FP8 keeps them in the stage).
-template <GemmMode M, bool kFp8>
-inline constexpr int kRowDstBytesOf = kStagingInStage<M, kFp8> ? 0 : ModeTraits<M>::kRowDstBytes;
+inline constexpr int kEpilogueBytesOf =
+    kFp8 && ModeTraits<M>::kStaged ? ModeTraits<M>::kEpilogueBytes / 2 : ModeTraits<M>::kEpilogueBytes;
+static_assert(kEpilogueBytesOf<GemmMode::kGateUp, true> % 1024 == 0, "epilogue buffers keep the 1024-byte alignment");
 
 // The scale ring: the producer brings each k-block's scales into a slot
 // beside its stage, read from shared memory by the promotion. FP8
@@ -128,13 +112,12 @@ inline constexpr bool has_scale_ring = kFp8 && (M == GemmMode::kWeightGrad || kA
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 
-// Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2 (not in FP8's staged modes)][mbarriers:
-// full, empty (kStagesOf each), order [2], z_full [2]][row_dst: 2 x 128 pointers (bf16 kDown, kGateUpGrad)]
-// [abort flag: u32, padded to 16 bytes]
+// Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
+// each), order [2], z_full [2]][row_dst: 2 x 128 pointers (kDown, kGateUpGrad)][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
-                                  2 * kEpilogueBytesOf<M, kFp8> + kBarriersOf<M, kFp8> * 8 +
-                                  kRowDstBytesOf<M, kFp8> + 16;
+                                  2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
+                                  ModeTraits<M>::kRowDstBytes + 16;
 template <GemmMode M>
 constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)
   constexpr int kMax = 227 * 1024;  // what an H100 / H200 CTA may use
@@ -156,9 +139,8 @@ constexpr int carveout_percent(int bytes) {
 static_assert(carveout_percent(kSmemBytes<GemmMode::kDownGrad, true, false> + 1024) == 85 &&
                   carveout_percent(kSmemBytes<GemmMode::kGateUp, true, false> + 1024) == 85 &&
                   carveout_percent(kSmemBytes<GemmMode::kDown, true, false> + 1024) == 85 &&
-                  carveout_percent(kSmemBytes<GemmMode::kGateUpGrad, true, false> + 1024) == 85 &&
                   85 * 228 >= 164 * 100 && carveout_percent(232448) == 100,
-              "the M-grouped FP8 kernels (164-196 KB): the 196 KB carve-out (85% of 228, above 164 KB)");
+              "the M-grouped FP8 kernels (164-194 KB): the 196 KB carve-out (85% of 228, above 164 KB)");
 
 // The KernelId a timed-out wait of mode M reports.
 template <GemmMode M>

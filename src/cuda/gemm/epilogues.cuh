@@ -78,8 +78,7 @@ __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7
 // be written again after staging_free(). Two ways:
 //  - kDirect (the FP8 kernels): 16-byte stores, consecutive lanes on
 //    consecutive chunks of a row (whole 32-byte sectors per warp), from a
-//    staging tile of a row half (kRows 64) in the tile's held last stage
-//    (engine_config.cuh kStagingInStage). No TMA:
+//    staging tile of a row half (kRows 64: kEpilogueBytesOf). No TMA:
 //    one bulk copy per row segment (128 to 384 a tile) goes through the SM's
 //    TMA unit, which the producer's stage loads need (FP8 kGateUp -9% at
 //    235B with these stores, perf-log session 25).
@@ -125,9 +124,8 @@ __device__ __forceinline__ void staging_free() {
 // What one consumer's epilogue works with besides the accumulators. Its own
 // buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
 struct EpilogueContext {
-  __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half, in the held stage)
-  __nv_bfloat16** row_dst;  // [128] kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr:
-                            // nowhere); FP8: in the held stage, after the staging (kStagedRowDstOffset)
+  __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half)
+  __nv_bfloat16** row_dst;  // [128] kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr: nowhere)
   uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
   uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
   uint32_t z_waits;        // kDownGrad: chunks waited for so far (z_full's phase)
@@ -137,9 +135,7 @@ struct EpilogueContext {
 };
 
 // What every epilogue starts with: the barrier after which the previous
-// tile's stores have finished reading staging (staging_free); FP8: after
-// which every warp's wgmmas have finished reading the held stage that
-// becomes the staging.
+// tile's stores have finished reading staging (staging_free).
 __device__ __forceinline__ void begin_epilogue() { staging_free(); }
 
 // The slot-writing modes' start (kDown, kGateUpGrad): after the barrier, which

@@ -93,10 +93,8 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // layout, whose transposed copy is this B).
 // kARing (M-grouped, a_scales_by_k_block): A's row scales come from the
 // stage's scale-ring slot, as kWeightGrad's do, instead of global memory.
-// false: a wait gave up (reported); the stage's wgmmas are retired. kHoldLast:
-// the tile's last stage is not released (the epilogue stages its output in
-// it, kStagingInStage); it is ps.previous_stage() on return.
-template <GemmMode M, bool kBT, bool kARing, bool kHoldLast, int S, typename Release>
+// false: a wait gave up (reported); the stage's wgmmas are retired.
+template <GemmMode M, bool kBT, bool kARing, int S, typename Release>
 __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile& tile, const uint8_t* smem,
                                               const float* scale_ring, const StageRing<S>& ring, const BoundedWait& waits,
                                               PipelineState<S>& ps, float (&acc)[2][64], Release&& release) {
@@ -174,8 +172,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
-    // With a scale ring: every lane (its own scale reads), see kLaneRelease.
-    if (!kHoldLast || kb + 1 < tile.k_blocks) release(ps.stage());
+    release(ps.stage());  // with a scale ring: every lane (its own scale reads), see kLaneRelease
   }
   return true;
 }
@@ -195,8 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
                         const __grid_constant__ CUtensorMap map_out1, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
-  constexpr int S = kStagesOf<M, kFp8>;
-  constexpr bool kHoldLast = kStagingInStage<M, kFp8>;  // the epilogue stages in the tile's last stage
+  constexpr int S = Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   constexpr bool kSplitRings = kFp8;
   constexpr bool kRing = has_scale_ring<M, kFp8, kARing>;
@@ -217,9 +213,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
-  auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + kBarriersOf<M, kFp8>);  // [2][kBlockM] (bf16)
+  auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + Tr::kBarriers);  // [2][kBlockM]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
-  auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + kRowDstBytesOf<M, kFp8>);
+  auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + Tr::kRowDstBytes);
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
@@ -403,15 +399,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     if constexpr (kFp8) {
-      if (!fp8_main_loop<M, kBT, kARing, kHoldLast>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc,
-                                                     release)) {
+      if (!fp8_main_loop<M, kBT, kARing>(p, tile, my_stages, my_scales, my_ring, waits, ps, acc, release)) {
         bulk_wait_group<0>();
         return;
-      }
-      if constexpr (kHoldLast) {  // the held stage (k_blocks > 0: launch_grouped_gemm checks K) takes the staging
-        uint8_t* held = smem + (my_first + ps.previous_stage()) * kStageBytes;
-        ctx.staging = reinterpret_cast<__nv_bfloat16*>(held);
-        ctx.row_dst = reinterpret_cast<__nv_bfloat16**>(held + kStagedRowDstOffset);
       }
     } else {
       for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
@@ -459,20 +449,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
     if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
-    if (!epilogues) {
-      if (kHoldLast) release(ps.previous_stage());
-      continue;
-    }
+    if (!epilogues) continue;
     if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
       bulk_wait_group<0>();
       return;
-    }
-    if constexpr (kHoldLast) {
-      // Every thread's staging reads and writes (generic proxy) before the
-      // producer's next TMA load into the stage (async proxy).
-      fence_proxy_async_shared();
-      consumer_sync();
-      release(ps.previous_stage());
     }
     // kDownGrad: the buffer is free again (the storer, this same thread, saw
     // the last TMA store read it); the next tile's first z chunk loads now.
@@ -510,7 +490,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   // The smallest shared-memory carve-out that holds it (with the driver's 1 KB
   // a block): the rest of the SM's 256 KB is L1 (the M-grouped FP8 kernels'
-  // 164-196 KB get the 196 KB carve-out, 60 KB of L1). The hint is a
+  // 164-198 KB get the 196 KB carve-out, 60 KB of L1). The hint is a
   // percentage of the 228 KB maximum, which the driver rounds up to a
   // supported size, so it is given rounded down (196 KB: 85%). Only a hint:
   // a failure to set it is cleared and ignored.
@@ -551,7 +531,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
-  if (args.k <= 0 && args.mode != GemmMode::kWeightGrad) return internal_error("grouped GEMM: K must be positive");
   if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
     return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
   if (args.b_k_major && args.mode != GemmMode::kDownGrad && args.mode != GemmMode::kGateUpGrad)
