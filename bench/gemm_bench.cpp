@@ -330,6 +330,15 @@ int main(int argc, char** argv) {
                     CHECK_OK(cuda::gather_quantize_e4m3_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
                                                              qx, sx, pool_copy, nullptr));
                   }, warmup, iters), 0});
+  // The same two the other way round (the layer's since session 26): each token row read once, written to its k rows.
+  rows.push_back({"scatter+quantize x", median_ms([&] {
+                    CHECK_OK(cuda::scatter_quantize_e4m3_rows(tokens, T, H, pb.route_row, k, plan.row_src,
+                                                              plan.pool_rows, C, kScale, qx, sx, nullptr, nullptr));
+                  }, warmup, iters), 0});
+  rows.push_back({"scatter+quantize dy", median_ms([&] {
+                    CHECK_OK(cuda::scatter_quantize_e4m3_rows(tokens, T, H, pb.route_row, k, plan.row_src,
+                                                              plan.pool_rows, C, kScale, qx, sx, pool_copy, nullptr));
+                  }, warmup, iters), 0});
   rows.push_back({"quantize w13 q+t", median_ms([&] {
                     CHECK_OK(cuda::quantize_e4m3_blocks(w13, E, 2 * I, H, kScale, qw13, qw13_t, sw13, nullptr));
                   }, warmup, iters), 0});

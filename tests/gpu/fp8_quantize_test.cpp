@@ -309,6 +309,86 @@ TEST_P(Fp8Quantize, GatheredRowTilesAreTheGatheredPoolQuantised) {
   expect_gather_matches(2000, 2048, 8, 9000, 8837, kind());  // more tiles than one pass of the grid
 }
 
+// A device plan's two maps, made on the host: the T * k routes in a random
+// order, one in `drop_every` without a row (route_row -1), the others in pool
+// rows with one padding row (row_src -1) in `pad_every`; *used rows in all,
+// the rest of the capacity -1.
+void random_route_maps(int64_t T, int k, int64_t capacity, uint32_t seed, uint32_t drop_every, uint32_t pad_every,
+                       std::vector<int32_t>* route_row, std::vector<int32_t>* row_src, int32_t* used) {
+  const int64_t routes = T * k;
+  std::vector<int32_t> order(static_cast<size_t>(routes));
+  for (int64_t i = 0; i < routes; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  uint32_t state = seed;
+  auto next = [&] { return (state = state * 1664525u + 1013904223u) >> 8; };
+  for (int64_t i = routes - 1; i > 0; --i) std::swap(order[static_cast<size_t>(i)], order[next() % (i + 1)]);
+  route_row->assign(static_cast<size_t>(routes), -1);
+  row_src->assign(static_cast<size_t>(capacity), -1);
+  int32_t r = 0;
+  for (int32_t route : order) {
+    if (next() % drop_every == 0) continue;
+    while (next() % pad_every == 0 && r < capacity) ++r;  // padding rows
+    ASSERT_LT(r, capacity) << "the test's capacity is too small";
+    (*route_row)[static_cast<size_t>(route)] = r;
+    (*row_src)[static_cast<size_t>(r++)] = route;
+  }
+  *used = r;
+}
+
+// The scattering row quantizer writes what the gathering one writes, for the
+// used rows (padding rows included), with and without the bf16 copy and with
+// both scale layouts, and nothing past the used rows.
+void expect_scatter_matches(int64_t T, int64_t cols, int k, int64_t capacity, cuda::Fp8Scale gpu_kind) {
+  const int64_t tiles = cols / 128;
+  std::vector<int32_t> route_row, row_src;
+  int32_t used = 0;
+  random_route_maps(T, k, capacity, 31, 7, 5, &route_row, &row_src, &used);
+  const std::vector<uint16_t> x = make_data(T * cols, 128, 11);
+  const size_t all = static_cast<size_t>(capacity * cols), n = static_cast<size_t>(used * cols);
+  const size_t all_s = static_cast<size_t>(capacity * tiles);
+  Dev<uint16_t> dx(x.size()), pool_ref(all), pool(all);
+  Dev<int32_t> droute(route_row.size()), dsrc(row_src.size()), dused(1);
+  Dev<uint8_t> q_ref(all), q(all);
+  Dev<float> s_ref(all_s), s(all_s);
+  ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(droute.p, route_row.data(), route_row.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dsrc.p, row_src.data(), row_src.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dused.p, &used, 4, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const auto layout : {cuda::RowScales::kByRow, cuda::RowScales::kByKBlock}) {
+    for (const bool with_pool : {true, false}) {
+      SCOPED_TRACE(std::string(layout == cuda::RowScales::kByRow ? "by row" : "by k-block") +
+                   (with_pool ? ", with the bf16 pool" : ""));
+      for (auto* d : {&q_ref, &q}) ASSERT_EQ(cudaMemset(d->p, 0xAB, all), cudaSuccess);
+      for (auto* d : {&s_ref, &s}) ASSERT_EQ(cudaMemset(d->p, 0xAB, all_s * 4), cudaSuccess);
+      for (auto* d : {&pool_ref, &pool}) ASSERT_EQ(cudaMemset(d->p, 0xAB, all * 2), cudaSuccess);
+      MEGAMOE_ASSERT_OK(cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q_ref.p,
+                                                        s_ref.p, with_pool ? pool_ref.p : nullptr, nullptr, layout));
+      MEGAMOE_ASSERT_OK(cuda::scatter_quantize_e4m3_rows(dx.p, T, cols, droute.p, k, dsrc.p, dused.p, capacity,
+                                                         gpu_kind, q.p, s.p, with_pool ? pool.p : nullptr, nullptr,
+                                                         layout));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      // Everything, the untouched bytes past the used rows included, as the gather left it.
+      const auto qg = q.get(all), qr = q_ref.get(all);
+      const auto sg = s.get(all_s), sr = s_ref.get(all_s);
+      const auto pg = pool.get(all), pr = pool_ref.get(all);
+      int64_t q_differ = 0, s_differ = 0, pool_differ = 0, q_written = 0;
+      for (size_t i = 0; i < all; ++i) q_differ += qg[i] != qr[i], pool_differ += pg[i] != pr[i];
+      for (size_t i = 0; i < all_s; ++i) s_differ += float_bits(sg[i]) != float_bits(sr[i]);
+      for (size_t i = 0; i < n; ++i) q_written += qg[i] != 0xAB;
+      EXPECT_EQ(q_differ, 0);
+      EXPECT_EQ(s_differ, 0);
+      EXPECT_EQ(pool_differ, 0);
+      EXPECT_GT(q_written, static_cast<int64_t>(n / 2)) << "the used rows were hardly written: the test proves nothing";
+    }
+  }
+}
+
+TEST_P(Fp8Quantize, ScatteredRowTilesAreWhatTheGatherWrites) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_scatter_matches(300, 384, 3, 1400, kind());
+  expect_scatter_matches(2000, 2048, 8, 20500, kind());  // more tiles than one pass of the grid
+  expect_scatter_matches(40, 128, 1, 128, kind());
+}
+
 TEST_P(Fp8Quantize, BlockTilesAndTheirTransposeMatchTheReferenceBitwise) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t batch = 2, rows = 256, cols = 384, tr = rows / 128, tc = cols / 128;
@@ -541,6 +621,12 @@ TEST(Fp8QuantizeShapes, ColumnsThatAreNotMultiplesOf128AreErrors) {
   const Status no_k =
       cuda::gather_quantize_e4m3_cols_t(&x, 128, &src, 0, &used, 128, cuda::Fp8Scale::kFloat32, &q, &s, nullptr);
   EXPECT_NE(no_k.message().find("top_k = 0"), std::string::npos) << no_k.message();
+  const Status scatter_null = cuda::scatter_quantize_e4m3_rows(&x, 1, 128, nullptr, 1, &src, &used, 128,
+                                                               cuda::Fp8Scale::kFloat32, &q, &s, nullptr, nullptr);
+  EXPECT_NE(scatter_null.message().find("a pointer is null"), std::string::npos) << scatter_null.message();
+  const Status scatter_cols = cuda::scatter_quantize_e4m3_rows(&x, 1, 100, &src, 1, &src, &used, 128,
+                                                               cuda::Fp8Scale::kFloat32, &q, &s, nullptr, nullptr);
+  EXPECT_NE(scatter_cols.message().find("cols = 100"), std::string::npos) << scatter_cols.message();
   // A slot must hold a row's bytes and scales (e4m3_slot_bytes), in 16-byte pieces.
   EXPECT_EQ(cuda::e4m3_slot_bytes(2048), 2048 + 64);
   EXPECT_EQ(cuda::e4m3_slot_bytes(128), 144);

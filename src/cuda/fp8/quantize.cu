@@ -162,6 +162,81 @@ __global__ void __launch_bounds__(kRowThreads, 4) quantize_rows_kernel(const Sou
   }
 }
 
+// The scatter form of GatherSource (scatter_quantize_e4m3_rows): token tile t
+// (token v = t / segs, segment t % segs) is read and quantised once and
+// written to the pool row route_row[v k + j] of each of its k routes that has
+// one below *pool_rows: the gather reads each token row k times, this once.
+// The same half-warp tiles and arithmetic as quantize_rows_kernel.
+struct ScatterDests {
+  const int32_t* route_row;  // [tokens * k] pool row of each route, -1: none
+  const int32_t* pool_rows;  // [1] the pool's used rows
+  int k;
+  uint32_t segs;             // tiles per row: cols / 128; tile indices fit 31 bits (checked at launch)
+  ScaleIndex scale_at;
+  uint4* pool;               // optional bf16 copy [capacity, cols]
+};
+__global__ void __launch_bounds__(kRowThreads, 4) scatter_quantize_rows_kernel(const __nv_bfloat16* x, int64_t tiles,
+                                                                               const ScatterDests d, Fp8Scale kind,
+                                                                               uint8_t* q, float* scales) {
+  const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int32_t used = *d.pool_rows;
+  for (int64_t base = warp * kTilesInFlight; base < tiles; base += warps * kTilesInFlight) {
+    uint4 raw[kHalfSteps];
+#pragma unroll
+    for (int u = 0; u < kHalfSteps; ++u) {
+      const int64_t t = base + 2 * u + half;
+      raw[u] = t < tiles ? __ldg(reinterpret_cast<const uint4*>(x + t * kTile) + hl) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kHalfSteps; ++u) {
+      const int64_t t = base + 2 * u + half;
+      float v[8];
+      unpack8(raw[u], v);
+      const float amax = half_warp_amax(raw[u]);
+      const float s = tile_scale(amax, kind);
+      const uint2 packed = E4m3Quotients(s, amax, kind).pack8(v);
+      if (t >= tiles) continue;
+      const uint32_t t32 = static_cast<uint32_t>(t), token = t32 / d.segs, seg = t32 - token * d.segs;
+      const int32_t* routes = d.route_row + static_cast<int64_t>(token) * d.k;
+#pragma unroll 4
+      for (int j = 0; j < d.k; ++j) {
+        const int32_t r = __ldg(routes + j);
+        if (r < 0 || r >= used) continue;
+        const int64_t pt = static_cast<int64_t>(r) * d.segs + seg;
+        reinterpret_cast<uint2*>(q + pt * kTile)[hl] = packed;
+        if (hl == 0) scales[d.scale_at(pt)] = s;
+        if (d.pool != nullptr) d.pool[pt * (kTile / 8) + hl] = raw[u];
+      }
+    }
+  }
+}
+
+// The pool's padding rows (row_src < 0, below *pool_rows) as the gather makes
+// them: the e4m3 codes and scale of an all-zero tile, zero bf16 copies. A warp a row.
+__global__ void __launch_bounds__(kRowThreads) zero_padding_rows_kernel(const int32_t* row_src,
+                                                                        const int32_t* pool_rows, uint32_t segs,
+                                                                        ScaleIndex scale_at, Fp8Scale kind, uint8_t* q,
+                                                                        float* scales, uint4* pool) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int32_t used = *pool_rows;
+  const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const float s = tile_scale(0.0f, kind);
+  const uint2 packed = E4m3Quotients(s, 0.0f, kind).pack8(zeros);
+  for (int64_t r = warp; r < used; r += warps) {
+    if (__ldg(row_src + r) >= 0) continue;
+    const int64_t row_tiles = static_cast<int64_t>(segs);
+    auto* q_row = reinterpret_cast<uint2*>(q + r * row_tiles * kTile);
+    for (int64_t i = lane; i < row_tiles * (kTile / 8); i += 32) q_row[i] = packed;
+    for (int64_t i = lane; i < row_tiles; i += 32) scales[scale_at(r * row_tiles + i)] = s;
+    if (pool != nullptr)
+      for (int64_t i = lane; i < row_tiles * (kTile / 8); i += 32) pool[r * row_tiles * (kTile / 8) + i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // One 256-thread block per 128 x 128 tile; each thread 64 values: 8
 // consecutive rows r0 .. r0 + 7 (r0 = 8 (t / 16)) x 8 columns c8 .. c8 + 7
 // (c8 = 8 (t % 16)), so 16 threads cover each row (16-byte loads, 8-byte q
@@ -449,6 +524,36 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
                    ScaleIndex{static_cast<uint32_t>(cols / kTile), capacity, layout == RowScales::kByKBlock}},
       scale, q, scales);
   return cuda_status("fp8 gathering row quantizer", cudaGetLastError());
+}
+
+Status scatter_quantize_e4m3_rows(const void* src, int64_t tokens, int64_t cols, const int32_t* route_row, int top_k,
+                                  const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, Fp8Scale scale,
+                                  uint8_t* q, float* scales, void* pool, cudaStream_t stream, RowScales layout) {
+  if (tokens < 0 || capacity <= 0 || cols <= 0 || cols % kTile != 0 || top_k <= 0)
+    return invalid_argument("fp8 scattering row quantizer: tokens = " + std::to_string(tokens) +
+                            " must be >= 0, capacity = " + std::to_string(capacity) + " and top_k = " +
+                            std::to_string(top_k) + " positive, cols = " + std::to_string(cols) +
+                            " a positive multiple of 128");
+  if (src == nullptr || route_row == nullptr || row_src == nullptr || pool_rows == nullptr || q == nullptr ||
+      scales == nullptr)
+    return invalid_argument("fp8 scattering row quantizer: a pointer is null");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(pool) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(q) % 8 != 0)
+    return invalid_argument("fp8 scattering row quantizer: src and pool must be 16-byte, q 8-byte aligned");
+  const int64_t segs = cols / kTile;
+  if (capacity > (int64_t{1} << 31) / segs || tokens > (int64_t{1} << 31) / segs)
+    return invalid_argument("fp8 scattering row quantizer: " + std::to_string(std::max(capacity, tokens)) +
+                            " rows of " + std::to_string(cols) + " columns exceed 2^31 tiles");
+  const ScaleIndex at{static_cast<uint32_t>(segs), capacity, layout == RowScales::kByKBlock};
+  auto* pool16 = static_cast<uint4*>(pool);
+  // Padding rows first: in one stream order with the token rows, which never land on them.
+  zero_padding_rows_kernel<<<row_blocks(capacity * segs), kRowThreads, 0, stream>>>(
+      row_src, pool_rows, static_cast<uint32_t>(segs), at, scale, q, scales, pool16);
+  if (tokens > 0)
+    scatter_quantize_rows_kernel<<<row_blocks(tokens * segs), kRowThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(src), tokens * segs,
+        ScatterDests{route_row, pool_rows, top_k, static_cast<uint32_t>(segs), at, pool16}, scale, q, scales);
+  return cuda_status("fp8 scattering row quantizer", cudaGetLastError());
 }
 
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,

@@ -59,6 +59,19 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
                                  float* scales, void* pool, cudaStream_t stream,
                                  RowScales layout = RowScales::kByRow);
 
+// gather_quantize_e4m3_rows' output made the other way round: each token row
+// of src [tokens, cols] is read and quantised once and written to the pool
+// row route_row[t * top_k + j] of each of its routes that has one (>= 0,
+// below *pool_rows); the pool's padding rows (row_src < 0, below *pool_rows)
+// get an all-zero tile's codes and scales (and zeros in pool). With the
+// device plan's route_row and row_src (inverse maps: row_src[route_row[i]] ==
+// i for every route with a row), bitwise what gather_quantize_e4m3_rows
+// writes, reading each token row once instead of top_k times. Two launches.
+Status scatter_quantize_e4m3_rows(const void* src, int64_t tokens, int64_t cols, const int32_t* route_row, int top_k,
+                                  const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, Fp8Scale scale,
+                                  uint8_t* q, float* scales, void* pool, cudaStream_t stream,
+                                  RowScales layout = RowScales::kByRow);
+
 // A row of cols values as an e4m3 slot (expert parallelism's dispatch,
 // cuda/comm/dispatch.h): its cols e4m3 bytes, then its cols / 128 f32 scales;
 // bytes rounded up to 16 (the slots move as 16-byte pieces).

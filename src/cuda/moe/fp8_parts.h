@@ -3,7 +3,8 @@
 // row tiles along K for activations and output gradients, 128 x 128 blocks for
 // weights, 128 x 1 (tokens x channel) tiles for the weight-gradient operands,
 // fp32 accumulation promoted every 128 K (the engine, GroupedGemmArgs::fp8).
-// x and dy are quantised as they are gathered into the pool (and x^T, dW13's
+// x and dy are quantised as their token rows are scattered into the pool
+// (scatter_quantize_e4m3_rows: each token row read once; x^T, dW13's
 // operand, as x is gathered again in the backward);
 // a and the other weight-gradient operands by separate passes over the pools
 // (not yet fused into the epilogues that produce them); dz in kDownGrad's epilogue with
@@ -39,8 +40,9 @@ Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, c
 // transposed, one scale per block.
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
 
-// The forward's GEMMs (weights from f): x's rows gathered into the pool as
-// e4m3 (gather_quantize_e4m3_rows: no bf16 x pool; x_quantized: f.x_q and
+// The forward's GEMMs (weights from f): x's rows scattered into the pool as
+// e4m3 (scatter_quantize_e4m3_rows with c.pv.plan's route_row, the plan plan
+// is made from: no bf16 x pool; x_quantized: f.x_q and
 // f.x_s hold the pool's e4m3 rows already, as an expert-parallel owner
 // gathers them from the e4m3 dispatch; x unused), kGateUp (z into
 // z_pool when not null, a into the a pool), a quantised, kDown into the
@@ -56,7 +58,7 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
                 const float* topk_weights, int sms, const GroupedGemmArgs::PeerSlots* peer = nullptr);
 
 // The backward's data-gradient GEMMs in FP8 (as data_grad_gemms), on the
-// weights' transposed copies in f: dy's rows gathered into the pool (bf16,
+// weights' transposed copies in f: dy's rows scattered into the pool (bf16,
 // for dW2) and quantised in the same pass (rows_in_pool: the pool holds
 // them, as an expert-parallel owner gathers them, and is quantised; dy
 // unused); dx_peer_slots as data_grad_gemms'.
