@@ -112,14 +112,6 @@ std::pair<int64_t, int64_t> used_and_past(int64_t n, Used used, Got got, Want wa
   return counts;
 }
 
-// Elements whose bit patterns differ (NaN scales compare by bits).
-int64_t bits_differ(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return -1;
-  int64_t n = 0;
-  for (size_t i = 0; i < a.size(); ++i) n += float_bits(a[i]) != float_bits(b[i]);
-  return n;
-}
-
 class Fp8Quantize : public ::testing::TestWithParam<ScaleKind> {
  protected:
   cuda::Fp8Scale kind() const {
@@ -501,21 +493,6 @@ TEST_P(Fp8Quantize, ColumnTilesTransposedMatchTheReferenceBitwise) {
   const int64_t used_differ = q_differ + s_differ, written_past = q_past + s_past;
   EXPECT_EQ(used_differ, 0) << "the used rows";
   EXPECT_EQ(written_past, 0) << "written past the used rows";
-  // RowsToo: the same columns, and the rows as quantize_e4m3_rows makes them (its match with the reference: above).
-  Dev<uint8_t> q_rows(x.size()), q_rows_ref(x.size()), qt_too(x.size());
-  Dev<float> s_rows(x.size() / 128), s_rows_ref(x.size() / 128), st_too(static_cast<size_t>(tr * cols));
-  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dx.p, rows, cols, kind(), q_rows_ref.p, s_rows_ref.p, nullptr));
-  MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_cols_t(dx.p, rows, cols, kind(), qt_too.p, st_too.p, nullptr, nullptr,
-                                               cuda::RowsToo{q_rows.p, s_rows.p}));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(qt_too.get(x.size()), qt) << "the columns, with the rows too";
-  EXPECT_EQ(bits_differ(st_too.get(s.size()), s), 0) << "the column scales, with the rows too";
-  EXPECT_EQ(q_rows.get(x.size()), q_rows_ref.get(x.size())) << "the rows";
-  EXPECT_EQ(bits_differ(s_rows.get(x.size() / 128), s_rows_ref.get(x.size() / 128)), 0) << "the row scales";
-  // Only one of RowsToo's two pointers: refused before anything runs.
-  EXPECT_FALSE(cuda::quantize_e4m3_cols_t(dx.p, rows, cols, kind(), qt_too.p, st_too.p, nullptr, nullptr,
-                                          cuda::RowsToo{q_rows.p, nullptr})
-                   .ok());
 }
 
 // The column quantizer fused with the pool gather: for the pool's used row
@@ -565,23 +542,6 @@ void expect_gather_cols_t_matches(int64_t T, int64_t cols, int k, int64_t capaci
   EXPECT_EQ(q_differ, 0);
   EXPECT_EQ(s_differ, 0);
   EXPECT_EQ(written_past, 0) << "written for the row blocks past the used rows";
-  // RowsToo: the same columns, and the used rows as gather_quantize_e4m3_rows makes them; nothing past them.
-  const size_t row_scales = static_cast<size_t>(capacity * cols / 128);
-  Dev<uint8_t> qt_too(all), q_rows(all), q_rows_ref(all);
-  Dev<float> st_too(sg.size()), s_rows(row_scales), s_rows_ref(row_scales);
-  for (auto* p : {qt_too.p, q_rows.p, q_rows_ref.p}) ASSERT_EQ(cudaMemset(p, 0xAB, all), cudaSuccess);
-  for (auto* p : {st_too.p}) ASSERT_EQ(cudaMemset(p, 0xAB, sg.size() * 4), cudaSuccess);
-  for (auto* p : {s_rows.p, s_rows_ref.p}) ASSERT_EQ(cudaMemset(p, 0xAB, row_scales * 4), cudaSuccess);
-  MEGAMOE_ASSERT_OK(cuda::gather_quantize_e4m3_rows(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, q_rows_ref.p,
-                                                    s_rows_ref.p, nullptr, nullptr));
-  MEGAMOE_ASSERT_OK(cuda::gather_quantize_e4m3_cols_t(dx.p, cols, dsrc.p, k, dused.p, capacity, gpu_kind, qt_too.p,
-                                                      st_too.p, nullptr, cuda::RowsToo{q_rows.p, s_rows.p}));
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(qt_too.get(all), qg) << "the columns, with the rows too";
-  EXPECT_EQ(bits_differ(st_too.get(sg.size()), sg), 0) << "the column scales, with the rows too";
-  // Rows past `used` stay 0xAB in both (the row quantizer's used_rows rule, whole blocks here).
-  EXPECT_EQ(q_rows.get(all), q_rows_ref.get(all)) << "the rows";
-  EXPECT_EQ(bits_differ(s_rows.get(row_scales), s_rows_ref.get(row_scales)), 0) << "the row scales";
 }
 
 TEST_P(Fp8Quantize, GatheredColumnTilesAreTheGatheredPoolQuantised) {

@@ -348,13 +348,9 @@ __global__ void __launch_bounds__(256, 4) quantize_blocks_kernel(const __nv_bflo
 // are 8 consecutive bytes of the transposed tile (one 8-byte shared store;
 // the byte-wide form ran at ~1 TB/s), read back 8 bytes at a time so that
 // the q_t rows (x's columns) are stored contiguously.
-// kRowsToo: the tile's rows quantised too (RowsToo): row r0 + i's 128
-// values sit with the 16 threads t / 16 = r0 / 8 (a half-warp), so its amax
-// is theirs, and each thread stores its 8 bytes of it.
-template <typename Source, bool kRowsToo>
+template <typename Source>
 __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, int64_t rows, int64_t cols,
-                                                              Fp8Scale kind, uint8_t* q_t, float* scales,
-                                                              RowsToo rows_too) {
+                                                              Fp8Scale kind, uint8_t* q_t, float* scales) {
   __shared__ float partial[16][kTile];  // [row group][column]
   __shared__ float col_scale[kTile], col_amax[kTile];
   __shared__ __align__(8) uint8_t tile_t[kTile][kTransposePitch];  // [column][row]
@@ -364,18 +360,6 @@ __global__ void __launch_bounds__(256) quantize_cols_t_kernel(const Source src, 
   const int t = threadIdx.x, c8 = (t % 16) * 8, r0 = (t / 16) * 8;
   uint4 raw[8];
   src.load(tr, tc, cols, r0, c8, raw);
-  if constexpr (kRowsToo) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float amax = half_warp_amax(raw[i]);
-      const float s = tile_scale(amax, kind);
-      float v[8];
-      unpack8(raw[i], v);
-      const int64_t row = tr * kTile + r0 + i;
-      *reinterpret_cast<uint2*>(rows_too.q + row * cols + tc * kTile + c8) = E4m3Quotients(s, amax, kind).pack8(v);
-      if (c8 == 0) rows_too.scales[row * (cols / kTile) + tc] = s;
-    }
-  }
   // Column amaxes over this thread's 8 rows, on bf16 pairs (exact; NaN propagates).
   __nv_bfloat162 m[4];
 #pragma unroll
@@ -434,23 +418,6 @@ unsigned row_blocks(int64_t tiles) {
   const int64_t tiles_per_block = kTilesInFlight * (kRowThreads / 32);
   return static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>((tiles + tiles_per_block - 1) / tiles_per_block, int64_t{8} * sm_count)));
-}
-
-// RowsToo: both outputs or neither; q 8-byte aligned (the stores of 8 bytes).
-Status check_rows_too(const char* what, RowsToo r) {
-  if ((r.q == nullptr) != (r.scales == nullptr))
-    return invalid_argument(std::string(what) + ": RowsToo needs both q and scales, or neither");
-  if (reinterpret_cast<uintptr_t>(r.q) % 8 != 0)
-    return invalid_argument(std::string(what) + ": RowsToo's q must be 8-byte aligned");
-  return Status::Ok();
-}
-
-// The column kernel for src, with the rows too when rows_too asks (its own instantiation).
-template <typename Source>
-void launch_cols_t(const Source& src, int64_t tiles, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t,
-                   float* scales, RowsToo rows_too, cudaStream_t stream) {
-  auto* kernel = rows_too.q != nullptr ? quantize_cols_t_kernel<Source, true> : quantize_cols_t_kernel<Source, false>;
-  kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(src, rows, cols, scale, q_t, scales, rows_too);
 }
 
 // The row kernels number tiles in 32 bits (RowsSource, RowsToSlotsSource).
@@ -573,32 +540,31 @@ Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t 
 }
 
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
-                            cudaStream_t stream, const int32_t* used_rows, RowsToo rows_too) {
+                            cudaStream_t stream, const int32_t* used_rows) {
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 column quantizer", rows, cols));
   if (x == nullptr || q_t == nullptr || scales == nullptr)
     return invalid_argument("fp8 column quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 column quantizer: x must be 16-byte and q_t 8-byte aligned");
-  MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 column quantizer", rows_too));
   const int64_t tiles = (rows / kTile) * (cols / kTile);
-  launch_cols_t(TileRows{static_cast<const __nv_bfloat16*>(x), used_rows}, tiles, rows, cols, scale, q_t, scales,
-                rows_too, stream);
+  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
+      TileRows{static_cast<const __nv_bfloat16*>(x), used_rows}, rows, cols, scale, q_t, scales);
   return cuda_status("fp8 column quantizer", cudaGetLastError());
 }
 
 Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t* row_src, int top_k,
                                    const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q_t,
-                                   float* scales, cudaStream_t stream, RowsToo rows_too) {
+                                   float* scales, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_shape("fp8 gathering column quantizer", capacity, cols));
   if (top_k <= 0) return invalid_argument("fp8 gathering column quantizer: top_k = " + std::to_string(top_k));
   if (src == nullptr || row_src == nullptr || pool_rows == nullptr || q_t == nullptr || scales == nullptr)
     return invalid_argument("fp8 gathering column quantizer: a pointer is null");
   if (reinterpret_cast<uintptr_t>(src) % 16 != 0 || reinterpret_cast<uintptr_t>(q_t) % 8 != 0)
     return invalid_argument("fp8 gathering column quantizer: src must be 16-byte and q_t 8-byte aligned");
-  MEGAMOE_RETURN_IF_ERROR(check_rows_too("fp8 gathering column quantizer", rows_too));
   const int64_t tiles = (capacity / kTile) * (cols / kTile);
-  launch_cols_t(TileGather{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k}, tiles, capacity, cols,
-                scale, q_t, scales, rows_too, stream);
+  quantize_cols_t_kernel<<<static_cast<unsigned>(tiles), 256, 0, stream>>>(
+      TileGather{static_cast<const __nv_bfloat16*>(src), row_src, pool_rows, top_k}, capacity, cols, scale, q_t,
+      scales);
   return cuda_status("fp8 gathering column quantizer", cudaGetLastError());
 }
 

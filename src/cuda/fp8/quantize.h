@@ -86,24 +86,11 @@ Status quantize_e4m3_rows_to_slots(const void* x, int64_t rows, int64_t cols, Fp
 Status quantize_e4m3_blocks(const void* w, int64_t batch, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q,
                             uint8_t* q_t, float* scales, cudaStream_t stream);
 
-// The row quantizer's output made in the same pass by the column quantizers
-// below (RowsToo{q, scales}, both or neither): q [rows, cols] and scales
-// [rows, cols / 128] (RowScales::kByRow), bitwise what quantize_e4m3_rows
-// (or gather_quantize_e4m3_rows) makes of the same rows, for every row of
-// the 128-row blocks written (a block that *used_rows ends inside: all its
-// rows). One read of x for an operand a GEMM needs by rows and a weight
-// gradient by columns (dy, dz): not yet used by the layer (gemm-bench row
-// `gather+quantize dy rows+cols_t`).
-struct RowsToo {
-  uint8_t* q = nullptr;
-  float* scales = nullptr;
-};
-
 // used_rows (optional, device memory; a pool's used rows, a multiple of 128):
 // the 128-row blocks from *used_rows on are not written (a block that
 // *used_rows ends inside is quantised whole).
 Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale scale, uint8_t* q_t, float* scales,
-                            cudaStream_t stream, const int32_t* used_rows = nullptr, RowsToo rows_too = {});
+                            cudaStream_t stream, const int32_t* used_rows = nullptr);
 
 // The column quantizer fused with the pool gather: q_t [cols, capacity] and
 // scales [capacity / 128, cols] of the pool gather_rows would make (row r <
@@ -114,6 +101,6 @@ Status quantize_e4m3_cols_t(const void* x, int64_t rows, int64_t cols, Fp8Scale 
 // multiples of 128.
 Status gather_quantize_e4m3_cols_t(const void* src, int64_t cols, const int32_t* row_src, int top_k,
                                    const int32_t* pool_rows, int64_t capacity, Fp8Scale scale, uint8_t* q_t,
-                                   float* scales, cudaStream_t stream, RowsToo rows_too = {});
+                                   float* scales, cudaStream_t stream);
 
 }  // namespace megamoe::cuda
