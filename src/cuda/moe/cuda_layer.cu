@@ -174,13 +174,16 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
                                         call.errors, grads.dx, call.stream));
 
   // dW2[e] = dy^T (w a); then x back into the pool for dW13[e] = dz^T x (FP8:
-  // straight into x^T's e4m3 as it is gathered, no bf16 pool). FP8:
-  // the data gradients', dW2's and dW13's e4m3 operands share one scratch
-  // area (Fp8Layout): these steps must stay in this order on this stream.
+  // dy^T and x^T straight into e4m3 as dy's and x's token rows are gathered,
+  // no bf16 pools). FP8: the data gradients', dW2's and dW13's e4m3 operands
+  // share one scratch area (Fp8Layout): these steps must stay in this order
+  // on this stream.
+  if (fp8_backward(d)) {
+    MEGAMOE_RETURN_IF_ERROR(fp8_down_weight_grad(call, plan, c, f, dy, grads, sms));
+    return fp8_gate_up_weight_grad(call, plan, c, f, in.x, grads, sms);
+  }
   MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
                                            f.wa_ts, grads.dw2, grads, sms));
-  if (fp8_backward(d))
-    return fp8_gate_up_weight_grad(call, plan, c, f, in.x, grads, sms);
   MEGAMOE_RETURN_IF_ERROR(
       gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
   return weight_grad_gemm(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t, f.x_ts, grads.dw13,

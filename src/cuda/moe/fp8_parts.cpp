@@ -93,14 +93,15 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
   // ga = dy @ w2[e]: K = H; B = w2[e]^T as [E * I, H].
-  // dy scattered into the pool (bf16: the dW2 operand) and quantised on the way.
+  // dy's e4m3 rows: scattered into the pool from its token rows (dW2's dy^T
+  // comes from them too, fp8_down_weight_grad: no bf16 dy pool), or quantised
+  // from the pool an expert-parallel owner received.
   if (rows_in_pool)
     MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream, RowScales::kByRow,
                                                plan.pool_rows));
   else
     MEGAMOE_RETURN_IF_ERROR(scatter_quantize_e4m3_rows(dy, d.tokens, H, c.pv.plan.route_row, d.top_k, plan.row_src,
-                                                       plan.pool_rows, C, sc, f.dy_q, f.dy_s, c.xdy_pool,
-                                                       call.stream));
+                                                       plan.pool_rows, C, sc, f.dy_q, f.dy_s, nullptr, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
   use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);
   gd.b_k_major = true;
@@ -133,7 +134,8 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                        const LayerGrads& grads, int sms) {
   const Fp8Scale sc = scale_of(call);
-  MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream, plan.pool_rows));
+  if (a != nullptr)
+    MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(a, capacity, m, sc, a_t, a_ts, call.stream, plan.pool_rows));
   if (b != nullptr)
     MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_cols_t(b, capacity, n, sc, b_t, b_ts, call.stream, plan.pool_rows));
   GroupedGemmArgs g = weight_grad(call, plan, capacity, a, m, b, n, out, grads);
@@ -149,6 +151,16 @@ Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t c
   if (fp8_backward(call.dims))
     return fp8_weight_grad(call, plan, capacity, a, m, a_t, a_ts, b, n, b_t, b_ts, out, grads, sms);
   return launch_grouped_gemm(weight_grad(call, plan, capacity, a, m, b, n, out, grads), sms, call.stream);
+}
+
+Status fp8_down_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                            const void* dy, const LayerGrads& grads, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
+  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_cols_t(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, scale_of(call),
+                                                      f.dy_t, f.dy_ts, call.stream));
+  return fp8_weight_grad(call, plan, C, nullptr, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t, f.wa_ts, grads.dw2, grads,
+                         sms);
 }
 
 Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,

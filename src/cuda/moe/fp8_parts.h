@@ -58,10 +58,11 @@ Status fp8_down(const LayerCall& call, const DevicePlan& plan, const Carved& c, 
                 const float* topk_weights, int sms, const GroupedGemmArgs::PeerSlots* peer = nullptr);
 
 // The backward's data-gradient GEMMs in FP8 (as data_grad_gemms), on the
-// weights' transposed copies in f: dy's rows scattered into the pool (bf16,
-// for dW2) and quantised in the same pass (rows_in_pool: the pool holds
-// them, as an expert-parallel owner gathers them, and is quantised; dy
-// unused); dx_peer_slots as data_grad_gemms'.
+// weights' transposed copies in f: dy's rows scattered into the pool as
+// e4m3 (no bf16 dy pool: dW2's dy^T comes from dy's token rows,
+// fp8_down_weight_grad; rows_in_pool: the bf16 pool holds them, as an
+// expert-parallel owner gathers them, and is quantised; dy unused);
+// dx_peer_slots as data_grad_gemms'.
 Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                            const void* dy, const void* w2, const void* w13, const float* topk_weights, float* d_topk,
                            int sms, const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr,
@@ -69,7 +70,8 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
 
 // dW[e] = A^T B over each expert's pool rows in FP8, from the bf16 pools a
 // [C, m] and b [C, n], each quantised per 128 rows of each column first into
-// (a_t, a_ts) and (b_t, b_ts); b null: (b_t, b_ts) hold B quantised already.
+// (a_t, a_ts) and (b_t, b_ts); a (b) null: (a_t, a_ts) ((b_t, b_ts)) hold it
+// quantised already.
 Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
                        uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                        const LayerGrads& grads, int sms);
@@ -80,6 +82,13 @@ Status fp8_weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t ca
 Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a, int64_t m,
                         uint8_t* a_t, float* a_ts, const void* b, int64_t n, uint8_t* b_t, float* b_ts, void* out,
                         const LayerGrads& grads, int sms);
+
+// dW2[e] = dy^T (w a) in FP8 on one GPU: dy^T quantised per 128 pool rows of
+// each column as dy's token rows are gathered (gather_quantize_e4m3_cols_t:
+// no bf16 dy pool; the same bytes as the column pass over the gathered pool),
+// (w a)^T from the a pool. dy: the layer's [tokens, H] output gradient.
+Status fp8_down_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
+                            const void* dy, const LayerGrads& grads, int sms);
 
 // dW13[e] = dz^T x in FP8 (fp8_weight_grad on the dz pool): x^T quantised per
 // 128 pool rows of each column as x's rows are gathered
