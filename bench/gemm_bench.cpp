@@ -316,7 +316,8 @@ int main(int argc, char** argv) {
             2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
-  // The pool's gather alone, and fused with the row quantizer (the FP8 forward's x; the backward's dy also keeps bf16).
+  // The pool's gather alone, and fused with the row quantizer (`dy`: with the bf16 pool too, as an EP owner's
+  // backward keeps it).
   uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
   uint16_t* pool_copy = random_bf16(C * H, 1.0f, 10);
   rows.push_back({"gather x pool", median_ms([&] {
@@ -330,7 +331,8 @@ int main(int argc, char** argv) {
                     CHECK_OK(cuda::gather_quantize_e4m3_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, kScale,
                                                              qx, sx, pool_copy, nullptr));
                   }, warmup, iters), 0});
-  // The same two the other way round (the layer's since session 26): each token row read once, written to its k rows.
+  // The same two the other way round (the one-GPU layer's x and dy since session 26, without the bf16 pool since
+  // 0352650): each token row read once, written to its k pool rows.
   rows.push_back({"scatter+quantize x", median_ms([&] {
                     CHECK_OK(cuda::scatter_quantize_e4m3_rows(tokens, T, H, pb.route_row, k, plan.row_src,
                                                               plan.pool_rows, C, kScale, qx, sx, nullptr, nullptr));

@@ -20,7 +20,9 @@
 // serves every layer (calls on a stream run one after another):
 //   chunk_counts  i32  [ceil(T / 256), E]
 //   plan          the saved layout above, when the call has no saved buffer
-//   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13)
+//   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13);
+//                                   unused by the one-GPU fp8 layer (its e4m3 pools come from the token
+//                                   rows), used by fp8_bwd's forward and expert-parallel owners
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w

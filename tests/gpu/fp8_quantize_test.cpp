@@ -334,7 +334,16 @@ void expect_scatter_matches(int64_t T, int64_t cols, int k, int64_t capacity, cu
   std::vector<int32_t> route_row, row_src;
   int32_t used = 0;
   random_route_maps(T, k, capacity, 31, 7, 5, &route_row, &row_src, &used);
-  const std::vector<uint16_t> x = make_data(T * cols, 128, 11);
+  std::vector<uint16_t> x = make_data(T * cols, 128, 11);
+  if (T >= 5 && cols >= 384) {  // the special tiles of expect_row_tiles_match, in token rows
+    for (int64_t c = 0; c < 128; ++c) {
+      x[static_cast<size_t>(c)] = 0;                                                     // all zero
+      x[static_cast<size_t>(cols + 128 + c)] = numerics::bf16_bits_from_float(1e-39f);  // tiny
+      x[static_cast<size_t>(4 * cols + 128 + c)] = static_cast<uint16_t>((c % 2 ? 0x8000u : 0u) | (1u + 3u * c));
+    }
+    x[static_cast<size_t>(2 * cols + 256 + 5)] = 0x7FC0;  // a NaN
+    x[static_cast<size_t>(3 * cols + 9)] = 0xFF80;        // -inf
+  }
   const size_t all = static_cast<size_t>(capacity * cols), n = static_cast<size_t>(used * cols);
   const size_t all_s = static_cast<size_t>(capacity * tiles);
   Dev<uint16_t> dx(x.size()), pool_ref(all), pool(all);
@@ -377,7 +386,8 @@ void expect_scatter_matches(int64_t T, int64_t cols, int k, int64_t capacity, cu
 TEST_P(Fp8Quantize, ScatteredRowTilesAreWhatTheGatherWrites) {
   MEGAMOE_REQUIRE_GPU();
   expect_scatter_matches(300, 384, 3, 1400, kind());
-  expect_scatter_matches(2000, 2048, 8, 20500, kind());  // more tiles than one pass of the grid
+  expect_scatter_matches(2000, 2048, 8, 20500, kind());
+  expect_scatter_matches(6000, 2048, 2, 16000, kind());  // 96000 token tiles: more than one pass of the grid (67584)
   expect_scatter_matches(40, 128, 1, 128, kind());
 }
 

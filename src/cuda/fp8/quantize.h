@@ -64,9 +64,12 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
 // row route_row[t * top_k + j] of each of its routes that has one (>= 0,
 // below *pool_rows); the pool's padding rows (row_src < 0, below *pool_rows)
 // get an all-zero tile's codes and scales (and zeros in pool). With the
-// device plan's route_row and row_src (inverse maps: row_src[route_row[i]] ==
-// i for every route with a row), bitwise what gather_quantize_e4m3_rows
-// writes, reading each token row once instead of top_k times. Two launches.
+// device plan's route_row and row_src, inverse maps (row_src[route_row[i]]
+// == i for every route i with a row, and route_row[row_src[r]] == r for
+// every used row r with a route: cuda/moe/device_plan.cu writes both
+// together), bitwise what gather_quantize_e4m3_rows writes, reading each
+// token row once instead of top_k times; a used row with a route that does
+// not point back to it would keep its old bytes. Two launches.
 Status scatter_quantize_e4m3_rows(const void* src, int64_t tokens, int64_t cols, const int32_t* route_row, int top_k,
                                   const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, Fp8Scale scale,
                                   uint8_t* q, float* scales, void* pool, cudaStream_t stream,

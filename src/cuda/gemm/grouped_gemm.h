@@ -42,6 +42,7 @@ struct DevicePlan {
   const int32_t* expert_offset = nullptr;  // [E]   first pool row of each expert
   const int32_t* expert_rows = nullptr;    // [E]   real rows of each expert
   const int32_t* row_src = nullptr;        // [capacity]  t * k + j of each row, -1 = padding
+  const int32_t* route_row = nullptr;      // [T * k]     pool row of each route, -1 = none (quantizers only)
   int num_tokens = 0, top_k = 0, num_experts = 0;
 };
 

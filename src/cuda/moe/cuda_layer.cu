@@ -20,6 +20,7 @@ using detail::Fp8Carved;
 using detail::fp8_backward;
 using detail::fp8_data_grad_gemms;
 using detail::fp8_down;
+using detail::fp8_down_weight_grad;
 using detail::fp8_forward;
 using detail::fp8_gate_up;
 using detail::fp8_gate_up_weight_grad;
@@ -47,8 +48,8 @@ Status check_hopper(int device) {
 }
 
 // x gathered into the pool, then GEMM1 + SwiGLU in the forward's precision: z
-// into z_pool, a into a_pool (either may be null). FP8 quantises the rows as
-// it gathers them (no bf16 x pool).
+// into z_pool, a into a_pool (either may be null). FP8 quantises the token
+// rows as it scatters them into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
@@ -158,7 +159,8 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
     MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
     MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, c.pv.z_pool, nullptr, sms));
   }
-  // xdy_pool now takes dy (x is gathered again for dW13 at the end); FP8 quantises dy as it gathers it.
+  // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
+  // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(

@@ -61,9 +61,9 @@ Status fp8_gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& 
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   const Fp8Scale sc = scale_of(call);
-  // Each token row read once and written to its routes' pool rows (the plan's route_row; plan is c.pv.plan's).
+  // Each token row read once and written to its routes' pool rows.
   if (!x_quantized)
-    MEGAMOE_RETURN_IF_ERROR(scatter_quantize_e4m3_rows(x, d.tokens, H, c.pv.plan.route_row, d.top_k, plan.row_src,
+    MEGAMOE_RETURN_IF_ERROR(scatter_quantize_e4m3_rows(x, d.tokens, H, plan.route_row, d.top_k, plan.row_src,
                                                        plan.pool_rows, C, sc, f.x_q, f.x_s, nullptr, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, w13, E * 2 * I, H, I);
   use_fp8(g, f.x_q, f.x_s, f.w13_q, f.w13_s);
@@ -100,7 +100,7 @@ Status fp8_data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const 
     MEGAMOE_RETURN_IF_ERROR(quantize_e4m3_rows(c.xdy_pool, C, H, sc, f.dy_q, f.dy_s, call.stream, RowScales::kByRow,
                                                plan.pool_rows));
   else
-    MEGAMOE_RETURN_IF_ERROR(scatter_quantize_e4m3_rows(dy, d.tokens, H, c.pv.plan.route_row, d.top_k, plan.row_src,
+    MEGAMOE_RETURN_IF_ERROR(scatter_quantize_e4m3_rows(dy, d.tokens, H, plan.route_row, d.top_k, plan.row_src,
                                                        plan.pool_rows, C, sc, f.dy_q, f.dy_s, nullptr, call.stream));
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * I, H, I);
   use_fp8(gd, f.dy_q, f.dy_s, f.w2_t, f.w2_s);

@@ -41,8 +41,8 @@ Status refresh_fp8_weights(const LayerCall& call, const LayerBuffers& buffers, c
 Status fill_fp8_weights(const LayerCall& call, const Fp8Carved& f, const void* w13, const void* w2);
 
 // The forward's GEMMs (weights from f): x's rows scattered into the pool as
-// e4m3 (scatter_quantize_e4m3_rows with c.pv.plan's route_row, the plan plan
-// is made from: no bf16 x pool; x_quantized: f.x_q and
+// e4m3 (scatter_quantize_e4m3_rows with plan.route_row: no bf16 x pool;
+// x_quantized: f.x_q and
 // f.x_s hold the pool's e4m3 rows already, as an expert-parallel owner
 // gathers them from the e4m3 dispatch; x unused), kGateUp (z into
 // z_pool when not null, a into the a pool), a quantised, kDown into the

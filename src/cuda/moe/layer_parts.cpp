@@ -87,6 +87,7 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d) {
   p.expert_offset = b.expert_offset;
   p.expert_rows = b.expert_rows;
   p.row_src = b.row_src;
+  p.route_row = b.route_row;
   p.num_tokens = static_cast<int>(d.tokens);
   p.top_k = d.top_k;
   p.num_experts = d.num_experts;
