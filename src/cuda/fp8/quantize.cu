@@ -47,6 +47,16 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
   }
 }
 
+// A half-warp's 1 x 128 tile, 8 bf16 values a lane: its scale (*s) and this
+// lane's 8 e4m3 codes.
+__device__ __forceinline__ uint2 quantize_half_warp_tile(const uint4& raw, Fp8Scale kind, float* s) {
+  float v[8];
+  unpack8(raw, v);
+  const float amax = half_warp_amax(raw);
+  *s = tile_scale(amax, kind);
+  return E4m3Quotients(*s, amax, kind).pack8(v);
+}
+
 // The tiles of [rows, cols] are consecutive 128-element runs (tile t at
 // element 128 t, its scale at t). Each half-warp takes one tile per step, each
 // lane 8 values (one 16-byte load); a warp keeps kTilesInFlight tiles' loads
@@ -148,11 +158,8 @@ __global__ void __launch_bounds__(kRowThreads, 4) quantize_rows_kernel(const Sou
 #pragma unroll
     for (int u = 0; u < kHalfSteps; ++u) {
       const int64_t t = base + 2 * u + half;
-      float v[8];
-      unpack8(raw[u], v);
-      const float amax = half_warp_amax(raw[u]);
-      const float s = tile_scale(amax, kind);
-      const uint2 packed = E4m3Quotients(s, amax, kind).pack8(v);
+      float s;
+      const uint2 packed = quantize_half_warp_tile(raw[u], kind, &s);
       if (t < tiles) {
         reinterpret_cast<uint2*>(src.q_tile(q, t))[hl] = packed;
         if (hl == 0) *src.scale_of(scales, t) = s;
@@ -192,11 +199,8 @@ __global__ void __launch_bounds__(kRowThreads, 4) scatter_quantize_rows_kernel(c
 #pragma unroll
     for (int u = 0; u < kHalfSteps; ++u) {
       const int64_t t = base + 2 * u + half;
-      float v[8];
-      unpack8(raw[u], v);
-      const float amax = half_warp_amax(raw[u]);
-      const float s = tile_scale(amax, kind);
-      const uint2 packed = E4m3Quotients(s, amax, kind).pack8(v);
+      float s;
+      const uint2 packed = quantize_half_warp_tile(raw[u], kind, &s);
       if (t >= tiles) continue;
       const uint32_t t32 = static_cast<uint32_t>(t), token = t32 / d.segs, seg = t32 - token * d.segs;
       const int32_t* routes = d.route_row + static_cast<int64_t>(token) * d.k;
