@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     spec.problem = pa;  // T tokens routed the same way over this rank's L experts alone
     BENCH_CHECK(testing::make_device_layer(pa, testing::make_layer_data(spec), DType::kF32, d, &R->alone_dev));
     ScratchLayout sl, sa;
-    BENCH_CHECK(scratch_layout(owner, true, &sl));
+    BENCH_CHECK(scratch_layout(owner, true, &sl, true));
     BENCH_CHECK(scratch_layout(alone, true, &sa));
     BENCH_CHECK(R->scratch.make(sl.bytes_without_slots, d));
     BENCH_CHECK(R->ep_scratch.make(cuda::ep_scratch_layout(layout).bytes, d));

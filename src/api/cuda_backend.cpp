@@ -234,7 +234,7 @@ Status cuda_ep_sizes(const MoeProblem& p, const MoeOptions& o, int64_t max_token
   const cuda::DispatchLayout l = ep_layout(p, max_tokens);
   const LayerDims owner = ep_owner(p, o, max_tokens);
   ScratchLayout sl;
-  MEGAMOE_RETURN_IF_ERROR(scratch_layout(owner, !will_backward, &sl));
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(owner, !will_backward, &sl, true));
   out->symmetric_bytes = l.bytes();
   out->ep_scratch_bytes = cuda::ep_scratch_layout(l).bytes;
   out->scratch_bytes = sl.bytes_without_slots;  // the owner's slot rows go to the sources

@@ -87,7 +87,7 @@ Status saved_layout(const LayerDims& d, SavedLayout* out) {
   return Status::Ok();
 }
 
-Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
+Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out, bool ep_owner) {
   int64_t C = 0;
   MEGAMOE_RETURN_IF_ERROR(pool_capacity(d, &C));
   Carver c;
@@ -98,11 +98,11 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out) {
     out->plan_offset = c.take(1, 1).offset;
     c.set_offset(out->plan_offset + out->plan.bytes);
   }
-  out->xdy_pool = c.take(product(C, d.hidden), 2);
+  const bool fwd8 = d.precision == Precision::kFP8;
+  out->xdy_pool = c.take(fwd8 && !ep_owner ? 0 : product(C, d.hidden), 2);
   out->a_pool = c.take(product(C, d.intermediate), 2);
   out->dz_pool = c.take(product(C, product(d.intermediate, 2)), 2);
   out->dw_partial = c.take(product(C, d.intermediate / 128), 4);
-  const bool fwd8 = d.precision == Precision::kFP8;
   const bool bwd8 = fwd8 || d.precision == Precision::kFP8Bwd;
   const int64_t H = d.hidden, I2 = product(d.intermediate, 2);
   auto rows_q = [&](Region* q, Region* s, int64_t cols, bool use) {  // 1 x 128 row tiles of a pool

@@ -20,9 +20,10 @@
 // serves every layer (calls on a stream run one after another):
 //   chunk_counts  i32  [ceil(T / 256), E]
 //   plan          the saved layout above, when the call has no saved buffer
-//   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13);
-//                                   unused by the one-GPU fp8 layer (its e4m3 pools come from the token
-//                                   rows), used by fp8_bwd's forward and expert-parallel owners
+//   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13).
+//                                   Empty for the one-GPU fp8 layer (its e4m3 operands come from the
+//                                   token rows); fp8_bwd's bf16 forward and expert-parallel owners (the
+//                                   backward's rows arrive in bf16) have it
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w
@@ -111,6 +112,9 @@ struct ScratchLayout {
 // overflow 64 bits or an index 31 bits (the kernels index pool rows as int32).
 Status pool_capacity(const LayerDims& dims, int64_t* rows);
 Status saved_layout(const LayerDims& dims, SavedLayout* out);
-Status scratch_layout(const LayerDims& dims, bool holds_plan, ScratchLayout* out);
+// ep_owner: the layout of an expert-parallel owner's call (LayerCall::
+// slots_at_sources), whose pool receives rows: the bf16 x/dy pool in every
+// precision. Otherwise fp8 has none (see xdy_pool above).
+Status scratch_layout(const LayerDims& dims, bool holds_plan, ScratchLayout* out, bool ep_owner = false);
 
 }  // namespace megamoe

@@ -171,8 +171,8 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
     d.precision = c.precision;
     ScratchLayout sl, sl_alone;
     SavedLayout sv;
-    MEGAMOE_ASSERT_OK(scratch_layout(d, false, &sl));
-    MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl_alone));  // the plan in scratch too
+    MEGAMOE_ASSERT_OK(scratch_layout(d, false, &sl, true));
+    MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl_alone, true));  // the plan in scratch too
     MEGAMOE_ASSERT_OK(saved_layout(d, &sv));
     sl.bytes = std::max(sl.bytes_without_slots, sl_alone.bytes_without_slots);  // slot rows go to the sources
     R.scratch = std::make_unique<DeviceBytes>(sl.bytes);
@@ -351,7 +351,7 @@ void expect_missing_rank_is_named(const std::vector<int>& devices) {
   probe.layout = layout, probe.num_experts = E;
   const LayerDims d = cuda::ep_owner_dims(probe, I);
   ScratchLayout sl;
-  MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl));
+  MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl, true));
   const uint64_t timeout = under_cuda_tool() ? 5'000'000'000ull : 100'000'000ull;  // 0.1 s
   for (int r = 0; r < P - 1; ++r) {
     Rank& R = ranks[static_cast<size_t>(r)];

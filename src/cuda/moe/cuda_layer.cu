@@ -81,7 +81,7 @@ Status prepare_layer_call(const LayerDims& dims, int device, cudaStream_t stream
     return invalid_argument("top_k = " + std::to_string(dims.top_k) + " exceeds the CUDA backend's limit of " +
                             std::to_string(kMaxTopK));
   ScratchLayout sl;
-  MEGAMOE_RETURN_IF_ERROR(scratch_layout(dims, buffers.saved == nullptr, &sl));
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(dims, buffers.saved == nullptr, &sl, slots_at_sources));
   const size_t need = slots_at_sources ? sl.bytes_without_slots : sl.bytes;
   if (buffers.scratch == nullptr || buffers.scratch_bytes < need)
     return capacity_error("scratch: " + std::to_string(buffers.scratch_bytes) + " bytes given, this call (" +

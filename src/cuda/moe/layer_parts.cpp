@@ -28,7 +28,7 @@ PlanView plan_view(void* base, const SavedLayout& s, int32_t* chunk_counts) {
 
 Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
   ScratchLayout sl;
-  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl, call.slots_at_sources));
   MEGAMOE_RETURN_IF_ERROR(pool_capacity(call.dims, &c->capacity));
   auto* chunk_counts = at<int32_t>(b.scratch, sl.chunk_counts);
   if (b.saved != nullptr) {
@@ -38,7 +38,7 @@ Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
   } else {
     c->pv = plan_view(static_cast<char*>(b.scratch) + sl.plan_offset, sl.plan, chunk_counts);
   }
-  c->xdy_pool = at<void>(b.scratch, sl.xdy_pool);
+  c->xdy_pool = sl.xdy_pool.bytes > 0 ? at<void>(b.scratch, sl.xdy_pool) : nullptr;  // none: one-GPU fp8
   c->a_pool = at<void>(b.scratch, sl.a_pool);
   c->slots = call.slots_at_sources ? nullptr : at<void>(b.scratch, sl.slots);
   c->dz_pool = at<void>(b.scratch, sl.dz_pool);
@@ -48,7 +48,7 @@ Status carve(const LayerCall& call, const LayerBuffers& b, Carved* c) {
 
 Status carve_fp8(const LayerCall& call, const LayerBuffers& b, Fp8Carved* f) {
   ScratchLayout sl;
-  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl));
+  MEGAMOE_RETURN_IF_ERROR(scratch_layout(call.dims, b.saved == nullptr, &sl, call.slots_at_sources));
   const Fp8Layout& l = sl.fp8;
   auto q = [&](const Region& r) { return r.bytes > 0 ? at<uint8_t>(b.scratch, r) : nullptr; };
   auto s = [&](const Region& r) { return r.bytes > 0 ? at<float>(b.scratch, r) : nullptr; };
