@@ -71,6 +71,9 @@ Status check_ep_call(const LayerCall& call, const EpGroup& ep, const LayerInputs
     return invalid_argument("EP layer: " + std::to_string(ep.num_experts) + " experts do not split evenly over " +
                             std::to_string(l.world) + " ranks");
   if (ep.epoch == 0) return invalid_argument("EP layer: epoch 0 is the flags' initial value; start at 1");
+  // An owner's scratch is laid out as one (scratch_layout's ep_owner: its pool receives rows).
+  if (!call.slots_at_sources)
+    return invalid_argument("EP layer: the owner's call was not prepared with slots_at_sources = true");
   if (ep.scratch == nullptr || reinterpret_cast<uintptr_t>(ep.scratch) % kBufferAlign != 0)
     return invalid_argument("EP layer: the EP scratch is missing or not 256-byte aligned");
   if (tokens < 0 || tokens > l.max_tokens)

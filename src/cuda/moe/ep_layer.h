@@ -118,7 +118,7 @@ Status ep_forward_send(const LayerCall& owner_call, const EpGroup& ep, const Lay
 // With owner_buffers.saved (saved_layout(ep_owner_dims)) and ep_saved
 // (ep_saved_layout), what the backward needs is kept; without both, nothing
 // is (and owner_buffers.scratch must then hold the plan: scratch_layout(dims,
-// true)).
+// true, &layout, /*ep_owner=*/true)).
 Status ep_forward_experts(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
                           const LayerBuffers& owner_buffers, void* ep_saved = nullptr);
 Status ep_forward_combine(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
