@@ -172,7 +172,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
-    release(ps.stage());  // with a scale ring: every lane (its own scale reads), see kLaneRelease
+    release(ps.stage());  // with a scale ring: after the warpgroup's barrier (its scale reads), see kBarrierRelease
   }
   return true;
 }
@@ -220,18 +220,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TileScheduler<M, kFp8> scheduler{p};
 
   // With a scale ring (FP8 kWeightGrad, kARing) lanes read the stage's ring slot with ordinary loads
-  // (the other stages are read by wgmma only): each lane's arrival orders its
-  // own reads before the producer's next bulk copy into the slot. A warp
+  // (the other stages are read by wgmma only): the consumer warpgroup meets at
+  // its named barrier before the warp leaders arrive, which orders every
+  // lane's reads before the producer's next bulk copy into the slot. (A
   // leader's arrival after __syncwarp is enough under the PTX memory model,
-  // but compute-sanitizer racecheck does not see it (hazards, session 20).
-  constexpr bool kLaneRelease = kRing;
-  static_assert(!(kLaneRelease && kPair), "kernels with a scale ring run one CTA per tile");
+  // but compute-sanitizer racecheck does not follow it: hazards, session 20;
+  // until session 26 every lane arrived, 128 arrivals a stage. Racecheck
+  // follows the named barrier: 0 hazards in session 26's held-stage
+  // experiment, which released a stage the same way.)
+  constexpr bool kBarrierRelease = kRing;
+  static_assert(!(kBarrierRelease && kPair), "kernels with a scale ring run one CTA per tile");
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], 1);
-      // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
-      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair ? 8 : 4);
+      // one arrival per warp of the consumer(s) that read the stage
+      mbar_init(&ring.empty[s], kPair ? 8 : 4);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -354,10 +358,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const StageRing<R> my_ring{ring.full + my_first, ring.empty + my_first};
   const uint8_t* my_stages = smem + my_first * kStageBytes;
   const float* my_scales = scale_ring + my_first * (kScaleStageBytes / 4);
-  // A warp (every lane with kLaneRelease) gives stage s of its ring back to
-  // this CTA's producer and, in a pair, to the peer's.
+  // A warp gives stage s of its ring back to this CTA's producer and, in a
+  // pair, to the peer's (with a scale ring after the warpgroup's barrier,
+  // kBarrierRelease). Every consumer thread calls it.
   auto release = [&](int s) {
-    if (!kLaneRelease && !warp_leader) return;
+    if constexpr (kBarrierRelease) consumer_sync();
+    if (!warp_leader) return;
     mbar_arrive(&my_ring.empty[s]);
     if constexpr (kPair) mbar_arrive_cluster(&my_ring.empty[s], rank ^ 1u);
   };
