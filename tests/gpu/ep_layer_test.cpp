@@ -419,6 +419,7 @@ TEST(EpLayerArgs, BadCallsAreErrorsBeforeAnyLaunch) {
   ep.scratch = scratch;
   cuda::LayerCall call;
   call.dims = cuda::ep_owner_dims(ep, 128);
+  call.slots_at_sources = true;  // an owner's call
   const int32_t idx = 0;
   const float w = 1.0f;
   const uint16_t x = 0;
@@ -441,6 +442,9 @@ TEST(EpLayerArgs, BadCallsAreErrorsBeforeAnyLaunch) {
   bad = ep;
   bad.scratch = scratch + 8;
   expect_error(bad, 10, "not 256-byte aligned");
+  call.slots_at_sources = false;  // a one-GPU call's scratch layout (no bf16 pool in fp8)
+  expect_error(ep, 10, "slots_at_sources");
+  call.slots_at_sources = true;
   call.dims.tokens = 64;
   expect_error(ep, 10, "not ep_owner_dims");
 }
