@@ -17,6 +17,14 @@ void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const 
   g.b = b, g.b_scales = b_scales;
 }
 
+// A [tokens, H] operand's pool rows, quantised by columns into (q_t, s_t) as they are gathered.
+Status gather_cols_t(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* rows, uint8_t* q_t,
+                     float* s_t) {
+  const LayerDims& d = call.dims;
+  return gather_quantize_e4m3_cols_t(rows, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, scale_of(call),
+                                     q_t, s_t, call.stream);
+}
+
 }  // namespace
 
 Fp8Scale fp8_scale_of(const LayerDims& d) {
@@ -156,21 +164,17 @@ Status weight_grad_gemm(const LayerCall& call, const DevicePlan& plan, int64_t c
 Status fp8_down_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                             const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
-  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_cols_t(dy, H, plan.row_src, d.top_k, plan.pool_rows, C, scale_of(call),
-                                                      f.dy_t, f.dy_ts, call.stream));
-  return fp8_weight_grad(call, plan, C, nullptr, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t, f.wa_ts, grads.dw2, grads,
-                         sms);
+  MEGAMOE_RETURN_IF_ERROR(gather_cols_t(call, plan, c, dy, f.dy_t, f.dy_ts));
+  return fp8_weight_grad(call, plan, c.capacity, nullptr, d.hidden, f.dy_t, f.dy_ts, c.a_pool, d.intermediate, f.wa_t,
+                         f.wa_ts, grads.dw2, grads, sms);
 }
 
 Status fp8_gate_up_weight_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f,
                                const void* x, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
-  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  MEGAMOE_RETURN_IF_ERROR(gather_quantize_e4m3_cols_t(x, H, plan.row_src, d.top_k, plan.pool_rows, C, scale_of(call),
-                                                      f.x_t, f.x_ts, call.stream));
-  return fp8_weight_grad(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, nullptr, H, f.x_t, f.x_ts, grads.dw13,
-                         grads, sms);
+  MEGAMOE_RETURN_IF_ERROR(gather_cols_t(call, plan, c, x, f.x_t, f.x_ts));
+  return fp8_weight_grad(call, plan, c.capacity, c.dz_pool, 2 * d.intermediate, f.dz_t, f.dz_ts, nullptr, d.hidden,
+                         f.x_t, f.x_ts, grads.dw13, grads, sms);
 }
 
 }  // namespace megamoe::cuda::detail
