@@ -176,7 +176,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
-    // With a scale ring: after the warpgroup's barrier (its scale reads), see kBarrierRelease.
+    // With a scale ring: every lane, after its own scale reads (see kLaneRelease).
     if (kWgrad) release(ps.stage());
   }
   return true;
@@ -225,22 +225,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TileScheduler<M, kFp8> scheduler{p};
 
   // With a scale ring (FP8 kWeightGrad, kARing) lanes read the stage's ring slot with ordinary loads
-  // (the other stages are read by wgmma only): the consumer warpgroup meets at
-  // its named barrier before the warp leaders arrive, which orders every
-  // lane's reads before the producer's next bulk copy into the slot. (A
+  // (the other stages are read by wgmma only): each lane's arrival orders its
+  // own reads before the producer's next bulk copy into the slot. A warp
   // leader's arrival after __syncwarp is enough under the PTX memory model,
-  // but compute-sanitizer racecheck does not follow it: hazards, session 20;
-  // until session 26 every lane arrived, 128 arrivals a stage. Racecheck
-  // follows the named barrier: 0 hazards in session 26's held-stage
-  // experiment, which released a stage the same way.)
-  constexpr bool kBarrierRelease = kRing;
-  static_assert(!(kBarrierRelease && kPair), "kernels with a scale ring run one CTA per tile");
+  // but compute-sanitizer racecheck does not see it (hazards, session 20),
+  // nor a named barrier of the warpgroup before 4 leader arrivals (session 27:
+  // hazards on kWeightGrad's and kARing's scale reads; reverted).
+  constexpr bool kLaneRelease = kRing;
+  static_assert(!(kLaneRelease && kPair), "kernels with a scale ring run one CTA per tile");
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], 1);
-      // one arrival per warp of the consumer(s) that read the stage
-      mbar_init(&ring.empty[s], kPair ? 8 : 4);
+      // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
+      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair ? 8 : 4);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -363,12 +361,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const StageRing<R> my_ring{ring.full + my_first, ring.empty + my_first};
   const uint8_t* my_stages = smem + my_first * kStageBytes;
   const float* my_scales = scale_ring + my_first * (kScaleStageBytes / 4);
-  // A warp gives stage s of its ring back to this CTA's producer and, in a
-  // pair, to the peer's (with a scale ring after the warpgroup's barrier,
-  // kBarrierRelease). Every consumer thread calls it.
+  // A warp (every lane with kLaneRelease) gives stage s of its ring back to
+  // this CTA's producer and, in a pair, to the peer's.
   auto release = [&](int s) {
-    if constexpr (kBarrierRelease) consumer_sync();
-    if (!warp_leader) return;
+    if (!kLaneRelease && !warp_leader) return;
     mbar_arrive(&my_ring.empty[s]);
     if constexpr (kPair) mbar_arrive_cluster(&my_ring.empty[s], rank ^ 1u);
   };
