@@ -165,10 +165,6 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(tmp);
-      // The second half's wgmmas were the stage's last readers (kWeightGrad's
-      // promotion still reads its scale slot): the stage goes back before the
-      // promotion, so the producer's next load into it overlaps the FMAs.
-      if (!kWgrad && h == 1) release(ps.stage());
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
         // Column acc_col(i): the first 64 columns in registers 0..31 (B scale block 0), the rest in 32..63.
@@ -176,8 +172,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
         acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
       }
     }
-    // With a scale ring: every lane, after its own scale reads (see kLaneRelease).
-    if (kWgrad) release(ps.stage());
+    release(ps.stage());  // with a scale ring: every lane, after its own scale reads (see kLaneRelease)
   }
   return true;
 }
