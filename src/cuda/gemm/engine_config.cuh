@@ -28,7 +28,7 @@ inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 // cursors in shared memory with 40 / 232 measured 7-19% slower.)
 template <bool kSplitRings>
 struct RegisterSplit {
-  static constexpr int kProducer = kSplitRings ? 56 : 40, kConsumer = kSplitRings ? 224 : 232;
+  static constexpr int kProducer = 40, kConsumer = 232;
 };
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators

@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread issues all TMA loads, tile after tile, in the order
     // the consumers take them. It returns early when a wait gives up or at
     // the fault-injection point (debug_stall_at).
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32)) {
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
@@ -278,48 +278,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       };
       if constexpr (kSplitRings) {
-        // A cursor per consumer ring: its tile t (the consumer's tiles are
-        // every other one of the CTA's), next k-block and ring position.
+        // One producer thread per consumer ring (warp r's first lane fills
+        // ring r with consumer r's tiles: every other one of the CTA's), so
+        // neither ring waits for the other's loads or tile look-ups.
         // debug_stall_at counts ring 0's iterations.
-        struct Cursor {
-          int t, kb;
-          Tile tile;
-          PipelineState<R> ps;
-        };
-        const int stride = 2 * static_cast<int>(gridDim.x);
-        auto seek = [&](Cursor& c) {  // from c.t on, to the first tile with loads
-          for (; c.t < tiles; c.t += stride) {
-            c.tile = scheduler.tile(c.t);
-            if (c.tile.k_blocks > 0) return;
-          }
-        };
-        Cursor c0{static_cast<int>(blockIdx.x), 0, {}, {}}, c1{static_cast<int>(blockIdx.x + gridDim.x), 0, {}, {}};
-        seek(c0);
-        seek(c1);
-        auto serve = [&](Cursor& c, int ring_base) {
-          load(c.tile, c.kb, ring_base + c.ps.stage());
-          ++c.ps;
-          if (++c.kb == c.tile.k_blocks) {
-            c.kb = 0;
-            c.t += stride;
-            seek(c);
-          }
-        };
-        for (;;) {
-          const int first = split_first(c0.t < tiles, c0.t, c1.t < tiles, c1.t);
-          if (first < 0) break;
-          if (static_cast<int64_t>(c0.ps.it) == stall_at) return;
-          // Selected by value: a reference chosen at run time would put the cursors in local memory.
-          const PipelineState<R> fs = first == 0 ? c0.ps : c1.ps, os = first == 0 ? c1.ps : c0.ps;
-          const bool other = (first == 0 ? c1.t : c0.t) < tiles;
-          const int got = waits.wait_either(&ring.empty[first * R + fs.stage()], fs.empty_parity(),
-                                            other ? &ring.empty[(first ^ 1) * R + os.stage()] : nullptr,
-                                            os.empty_parity(), kBarrierEmpty, fs.it, p.args.producer_park_ns);
-          if (got < 0) return;
-          if ((first ^ got) == 0) {
-            serve(c0, 0);
-          } else {
-            serve(c1, R);
+        const int r = static_cast<int>(threadIdx.x / 32);
+        PipelineState<R> ps;
+        for (int t = static_cast<int>(blockIdx.x) + r * static_cast<int>(gridDim.x); t < tiles;
+             t += 2 * static_cast<int>(gridDim.x)) {
+          const Tile tile = scheduler.tile(t);
+          for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+            if (r == 0 && static_cast<int64_t>(ps.it) == stall_at) return;
+            if (!waits.wait(&ring.empty[r * R + ps.stage()], ps.empty_parity(), kBarrierEmpty, ps.it)) return;
+            load(tile, kb, r * R + ps.stage());
           }
         }
         return;

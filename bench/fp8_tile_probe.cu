@@ -1,0 +1,321 @@
+// megamoe-fp8-tile-probe: how fast can the FP8 main loop run with a given tile
+// shape and ring, before any engine is changed for it (docs/fp8-plan.md,
+// "wider FP8 tiles")? A bare M-grouped FP8 GEMM with the recipe's promotion
+// (e4m3 A [M, K] and B [E * N, K], both K-major; A scaled per row per 128 K,
+// B per 128 x 128 block; fp32 accumulation promoted every 128 K), bf16 out,
+// E experts of M / E rows each, in four shapes of CTA:
+//   split   S: the engine's today: two consumers, each its own 128 x 128 tile
+//              and its own ring of S / 2 stages (32 KB each), main loops at
+//              the same time; a k-block in two row halves of m64n128k32.
+//   coop128 S: both consumers on one 128 x 128 tile (64 rows each), one ring
+//              of S stages that they share (B written once, read by both).
+//   coop256 S: both on one 128 x 256 tile, 64 rows x two 128-column halves
+//              each (the same 64 + 128 registers as split), S stages of 48 KB.
+// No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
+// warm-up; each variant's output checked at sampled entries against a
+// double-precision dot product of the dequantised operands.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/tensor_map.h"
+#include "cuda/ptx/sm90.cuh"
+
+namespace {
+
+using namespace megamoe::cuda::ptx;
+
+#define CHECK_CUDA(x)                                                                      \
+  do {                                                                                     \
+    const cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "megamoe-fp8-tile-probe: %s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+constexpr int kBoxBytes = 64 * 128;     // one TMA box: 64 rows x 128 e4m3
+constexpr int kTileBytesA = 2 * kBoxBytes;  // 128 rows
+
+struct Problem {
+  int m_per_expert, n, k, experts;
+  const float* a_scales;  // [k / 128, M]
+  const float* b_scales;  // [E * n / 128, k / 128]
+  __nv_bfloat16* d;       // [M, n]
+};
+
+// Tile t of the grid's order: expert-major, then n, then m (the m tiles of one
+// n tile adjacent: they share its B tile in L2).
+struct TileCoord {
+  int e, m, n;  // m: global 128-row tile; n: BN-column tile
+};
+template <int kBN>
+__device__ __forceinline__ TileCoord tile_of(const Problem& p, int t) {
+  const int mt = p.m_per_expert / 128, nt = p.n / kBN;
+  const int e = t / (mt * nt), r = t % (mt * nt);
+  return {e, e * mt + r % mt, r / mt};
+}
+
+// The wgmma m64nN accumulator layout: register i of this thread holds row
+// acc_row(i) of its 64-row half and column acc_col(i).
+__device__ __forceinline__ int acc_row(int i) { return 16 * ((threadIdx.x & 127) >> 5) + ((threadIdx.x & 31) >> 2) + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
+
+// kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
+// two halves) and ring c (kStages / 2 stages); else both share every tile
+// (64 rows each; kBN / 128 column halves) and one ring of kStages.
+template <int kBN, bool kSplit, int kStages>
+__global__ void __launch_bounds__(384, 1)
+    probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const __grid_constant__ Problem p) {
+  static_assert(!kSplit || kBN == 128, "split: 128 x 128 tiles");
+  constexpr int kStageBytes = kTileBytesA + kBN * 128;
+  constexpr int kRings = kSplit ? 2 : 1, R = kStages / kRings;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  const int tiles = p.experts * (p.m_per_expert / 128) * (p.n / kBN);
+  const int k_blocks = p.k / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kSplit ? 4 : 8);  // warp leaders of the consumer(s) reading the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<40>();
+    // Producer: warp r's first lane fills ring r (split), warp 0's the one ring.
+    const int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) != 0 || warp >= kRings) return;
+    const int first = blockIdx.x + (kSplit ? warp : 0) * gridDim.x, stride = kRings * gridDim.x;
+    int it = 0;
+    for (int t = first; t < tiles; t += stride) {
+      const TileCoord c = tile_of<kBN>(p, t);
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % R, slot = warp * R + s;
+        if (it >= R)
+          while (!mbar_try_wait(&empty[slot], ((it / R) - 1) & 1)) {
+          }
+        mbar_arrive_expect_tx(&full[slot], kStageBytes);
+        uint8_t* stage = smem + slot * kStageBytes;
+        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128, c.m * 128 + 64 * b);
+        for (int b = 0; b < kBN / 64; ++b)
+          tma_load_2d(stage + kTileBytesA + b * kBoxBytes, &map_b, &full[slot], kb * 128,
+                      c.e * p.n + c.n * kBN + 64 * b);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc<232>();
+  const int cw = wg - 1;
+  const bool leader = (threadIdx.x & 31) == 0;
+  const int ring0 = kSplit ? cw * R : 0;
+  const int first = blockIdx.x + (kSplit ? cw : 0) * gridDim.x, stride = kRings * gridDim.x;
+  // acc[x]: split, rows [64x, 64x + 64) of the tile; coop, columns [128x, 128x + 128) of this consumer's 64 rows.
+  constexpr int kHalves = kSplit ? 2 : kBN / 128;
+  float acc[2][64];
+  float tmp[64];
+  int it = 0;
+  for (int t = first; t < tiles; t += stride) {
+    const TileCoord c = tile_of<kBN>(p, t);
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[x][i] = 0.0f;
+    // This thread's rows (r and r + 8 of each 64-row half it computes).
+    const int row0 = c.m * 128 + (kSplit ? 0 : 64 * cw) + acc_row(0);
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      // Scales first: their loads fly while the stage is waited for. a_s[x]:
+      // rows r, r + 8 of row half x (coop: the one half); b_s[x]: column half x's block.
+      float a_s[2][2] = {}, b_s[2] = {};
+      const float* a_col = p.a_scales + static_cast<int64_t>(kb) * p.experts * p.m_per_expert;
+#pragma unroll
+      for (int x = 0; x < (kSplit ? 2 : 1); ++x) {
+        a_s[x][0] = __ldg(a_col + row0 + 64 * x);
+        a_s[x][1] = __ldg(a_col + row0 + 64 * x + 8);
+      }
+#pragma unroll
+      for (int x = 0; x < (kSplit ? 1 : kHalves); ++x)
+        b_s[x] = __ldg(p.b_scales + static_cast<int64_t>((c.e * p.n + c.n * kBN) / 128 + x) * k_blocks + kb);
+      const int s = it % R, slot = ring0 + s;
+      while (!mbar_try_wait(&full[slot], (it / R) & 1)) {
+      }
+      const uint8_t* sa = smem + slot * kStageBytes;
+      const uint8_t* sb = sa + kTileBytesA;
+#pragma unroll
+      for (int x = 0; x < kHalves; ++x) {
+        const uint8_t* a = sa + (kSplit ? x : cw) * kBoxBytes;
+        const uint8_t* b = sb + (kSplit ? 0 : x) * 128 * 128;
+        fence_accumulators(tmp);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3(tmp, smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024),
+                                kk > 0 ? 1 : 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(tmp);
+        const float sx = kSplit ? b_s[0] : b_s[x];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[x][i] += tmp[i] * ((kSplit ? a_s[x][(i >> 1) & 1] : a_s[0][(i >> 1) & 1]) * sx);
+      }
+      if (leader) mbar_arrive(&empty[slot]);
+    }
+#pragma unroll
+    for (int x = 0; x < kHalves; ++x)
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int64_t row = c.m * 128 + (kSplit ? 64 * x : 64 * cw) + acc_row(i);
+        const int col = c.n * kBN + (kSplit ? 0 : 128 * x) + acc_col(i);
+        *reinterpret_cast<__nv_bfloat162*>(p.d + row * p.n + col) = __floats2bfloat162_rn(acc[x][i], acc[x][i + 1]);
+      }
+  }
+}
+
+struct Variant {
+  const char* name;
+  int bn, stages;
+  bool split;
+  void (*kernel)(CUtensorMap, CUtensorMap, Problem);
+};
+
+const Variant kVariants[] = {
+    {"split 4", 128, 4, true, probe_kernel<128, true, 4>},
+    {"split 6", 128, 6, true, probe_kernel<128, true, 6>},
+    {"coop128 6", 128, 6, false, probe_kernel<128, false, 6>},
+    {"coop256 3", 256, 3, false, probe_kernel<256, false, 3>},
+    {"coop256 4", 256, 4, false, probe_kernel<256, false, 4>},
+};
+
+float e4m3_value(uint8_t v) {
+  __nv_fp8_e4m3 f;
+  f.__x = v;
+  return static_cast<float>(f);
+}
+
+int run_shape(const char* label, int experts, int m_per_expert, int n, int k, int reps) {
+  const int64_t M = static_cast<int64_t>(experts) * m_per_expert;
+  std::mt19937 rng(1234);
+  std::vector<uint8_t> ha(M * k), hb(static_cast<int64_t>(experts) * n * k);
+  // e4m3 codes with |v| < 2 (exponent field 0..7), random sign: four a draw.
+  auto fill = [&](std::vector<uint8_t>& v) {
+    for (size_t i = 0; i < v.size(); i += 4) {
+      const uint32_t r = static_cast<uint32_t>(rng()) & 0xBFBFBFBFu;
+      std::memcpy(v.data() + i, &r, std::min<size_t>(4, v.size() - i));
+    }
+  };
+  fill(ha);
+  fill(hb);
+  std::uniform_real_distribution<float> sd(0.5f, 2.0f);
+  std::vector<float> hsa(static_cast<int64_t>(k / 128) * M), hsb(static_cast<int64_t>(experts) * n / 128 * (k / 128));
+  for (auto& s : hsa) s = sd(rng);
+  for (auto& s : hsb) s = sd(rng);
+  uint8_t *da, *db;
+  float *dsa, *dsb;
+  __nv_bfloat16* dd;
+  CHECK_CUDA(cudaMalloc(&da, ha.size()));
+  CHECK_CUDA(cudaMalloc(&db, hb.size()));
+  CHECK_CUDA(cudaMalloc(&dsa, hsa.size() * 4));
+  CHECK_CUDA(cudaMalloc(&dsb, hsb.size() * 4));
+  CHECK_CUDA(cudaMalloc(&dd, M * n * 2));
+  CHECK_CUDA(cudaMemcpy(da, ha.data(), ha.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(db, hb.data(), hb.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dsa, hsa.data(), hsa.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dsb, hsb.data(), hsb.size() * 4, cudaMemcpyHostToDevice));
+  CUtensorMap ma, mb;
+  if (!megamoe::cuda::make_tma_2d_e4m3_box64x128(da, M, k, &ma).ok() ||
+      !megamoe::cuda::make_tma_2d_e4m3_box64x128(db, static_cast<int64_t>(experts) * n, k, &mb).ok()) {
+    std::fprintf(stderr, "megamoe-fp8-tile-probe: tensor maps failed\n");
+    return 2;
+  }
+  const Problem p{m_per_expert, n, k, experts, dsa, dsb, dd};
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  const double flops = 2.0 * static_cast<double>(M) * n * k;
+  int failures = 0;
+  std::printf("%s: E %d x %d rows, N %d, K %d (%.2f TFLOP)\n", label, experts, m_per_expert, n, k, flops * 1e-12);
+  std::printf("  %-12s %9s %9s %8s\n", "variant", "us", "TFLOP/s", "max err");
+  for (const Variant& v : kVariants) {
+    const int smem = v.stages * (kTileBytesA + v.bn * 128) + 2 * v.stages * 8 + 1024;
+    CHECK_CUDA(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CHECK_CUDA(cudaMemset(dd, 0, M * n * 2));
+    std::vector<float> ms;
+    for (int r = 0; r < reps + 3; ++r) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      v.kernel<<<sms, 384, smem>>>(ma, mb, p);
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      CHECK_CUDA(cudaGetLastError());
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      if (r >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    // Sampled entries against the dequantised double-precision product.
+    std::vector<__nv_bfloat16> hd(M * n);
+    CHECK_CUDA(cudaMemcpy(hd.data(), dd, hd.size() * 2, cudaMemcpyDeviceToHost));
+    double worst = 0;
+    std::mt19937 pick(99);
+    for (int s = 0; s < 256; ++s) {
+      const int64_t row = pick() % M;
+      const int col = static_cast<int>(pick() % n);
+      const int e = static_cast<int>(row / m_per_expert);
+      double ref = 0, mag = 0;
+      for (int kb = 0; kb < k / 128; ++kb) {
+        double part = 0;
+        for (int kk = 0; kk < 128; ++kk) {
+          const int64_t kc = static_cast<int64_t>(kb) * 128 + kk;
+          part += static_cast<double>(e4m3_value(ha[row * k + kc])) * e4m3_value(hb[(static_cast<int64_t>(e) * n + col) * k + kc]);
+        }
+        const double sc = static_cast<double>(hsa[static_cast<int64_t>(kb) * M + row]) *
+                          hsb[(static_cast<int64_t>(e) * n + col) / 128 * (k / 128) + kb];
+        ref += part * sc;
+        mag += std::fabs(part * sc);
+      }
+      const double got = static_cast<double>(__bfloat162float(hd[row * n + col]));
+      worst = std::max(worst, std::fabs(got - ref) / (mag + 1e-30));
+    }
+    const bool ok = worst < 1e-2;  // bf16 output rounding (2^-9) over the magnitude, with margin
+    failures += ok ? 0 : 1;
+    std::printf("  %-12s %9.1f %9.1f %8.1e%s\n", v.name, med * 1e3, flops / (med * 1e-3) * 1e-12, worst,
+                ok ? "" : "  WRONG");
+  }
+  CHECK_CUDA(cudaFree(da));
+  CHECK_CUDA(cudaFree(db));
+  CHECK_CUDA(cudaFree(dsa));
+  CHECK_CUDA(cudaFree(dsb));
+  CHECK_CUDA(cudaFree(dd));
+  return failures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 10;
+  int failures = 0;
+  // kGateUp's products at 16384 tokens, k 8, E 128 (1024 rows per expert):
+  // Qwen3-235B-A22B (N 2I = 3072, K = H 4096) and Qwen3-30B-A3B (1536, 2048);
+  // kDown's at 235B (N = H 4096, K = I 1536).
+  failures += run_shape("kGateUp 235B", 128, 1024, 3072, 4096, reps);
+  failures += run_shape("kGateUp 30B", 128, 1024, 1536, 2048, reps);
+  failures += run_shape("kDown 235B", 128, 1024, 4096, 1536, reps);
+  return failures == 0 ? 0 : 1;
+}
