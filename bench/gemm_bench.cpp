@@ -260,10 +260,6 @@ int main(int argc, char** argv) {
     g.a_scales = by_k_block, g.a_scales_by_k_block = true;
     return g;
   };
-  auto polling = [](cuda::GroupedGemmArgs g) {  // the split producer polling, not parked (producer_park_ns = 0)
-    g.producer_park_ns = 0;
-    return g;
-  };
   auto no_epilogue = [](cuda::GroupedGemmArgs g) {  // the main loops alone: what the epilogue costs
     g.debug_skip_epilogue = true;
     return g;
@@ -282,7 +278,6 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp bf16", gate_up(false), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8", gate_up(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 kbs", scales_by_k_block(gate_up(true), sx_kb), 2 * routes * 2 * Id * Hd);
-  time_gemm("kGateUp fp8 poll", polling(gate_up(true)), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp fp8 noepi", no_epilogue(gate_up(true)), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp bf16 noepi", no_epilogue(gate_up(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
@@ -292,7 +287,6 @@ int main(int argc, char** argv) {
   time_gemm("kDownGrad bf16", down_grad(false), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8", down_grad(true), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 kbs", scales_by_k_block(down_grad(true), sx_kb), 2 * routes * Hd * Id);
-  time_gemm("kDownGrad fp8 poll", polling(down_grad(true)), 2 * routes * Hd * Id);
   time_gemm("kDownGrad fp8 noepi", no_epilogue(down_grad(true)), 2 * routes * Hd * Id);
   // dz quantised in the epilogue (GroupedGemmArgs::dz_q), against the row above plus `quantize dz pool`.
   auto dz_in_epilogue = [&](cuda::GroupedGemmArgs g, cuda::Fp8Scale scale) {
@@ -312,8 +306,6 @@ int main(int argc, char** argv) {
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
-  time_gemm("dW13 fp8 poll", polling(wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t)),
-            2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
   // The pool's gather alone, and fused with the row quantizer (`dy`: with the bf16 pool too, as an EP owner's

@@ -205,9 +205,9 @@ TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
 
 // Split rings (the FP8 kernels, pipeline.cuh): consumer c's ring is slots
 // [c S / 2, c S / 2 + S / 2) and its tiles every other one of the CTA's; the
-// producer keeps a cursor per ring and loads into whichever ring has a free
-// slot, the earlier tile's first (split_first, as the kernel); no order
-// barriers. A stage holds a (ring, iteration) tag.
+// producer is one thread per ring, each loading its ring's tiles in order
+// (the kernel's since session 27); no order barriers. A stage holds a (ring,
+// iteration) tag.
 template <int S>
 struct SplitCta {
   static constexpr int R = S / 2;
@@ -234,14 +234,14 @@ struct SplitCta {
   }
   bool done() const { return !has(pc[0]) && !has(pc[1]) && in_flight.empty() && !has(cc[0]) && !has(cc[1]); }
 
+  // The two producer threads: one load by either, the one tried first alternating from step to step (the
+  // model's scheduler picks the steps; a producer that cannot go waits).
+  int producer_turn = 0;
   bool producer_step() {
-    skip_empty(pc[0]);
-    skip_empty(pc[1]);
-    const int first = megamoe::cuda::engine::split_first(has(pc[0]), static_cast<int>(pc[0].t), has(pc[1]),
-                                                         static_cast<int>(pc[1].t));
-    if (first < 0) return false;
-    for (int ring : {first, first ^ 1}) {  // wait_either: the first ring's slot, else the other's
+    producer_turn ^= 1;
+    for (int ring : {producer_turn, producer_turn ^ 1}) {
       Cursor& c = pc[ring];
+      skip_empty(c);
       if (!has(c) || !empty[slot(ring, c.ps)].try_wait(c.ps.empty_parity())) continue;
       in_flight.emplace_back(slot(ring, c.ps), tag(ring, c.ps.it));
       ++c.ps;
@@ -283,15 +283,6 @@ TEST(PipelineProtocol, SplitRingsEveryReadSeesItsOwnLoad) {
 // Both rings on the same slots: a consumer reads the other ring's load.
 TEST(PipelineProtocol, SplitRingsOnSharedSlotsAStaleReadIsFound) {
   EXPECT_TRUE((some_interleaving_violates<SplitCta<4>, 4>([](SplitCta<4>& cta) { cta.separate = false; })));
-}
-
-TEST(PipelineProtocol, SplitFirstServesTheEarlierTile) {
-  using megamoe::cuda::engine::split_first;
-  EXPECT_EQ(split_first(false, 0, false, 0), -1);
-  EXPECT_EQ(split_first(true, 3, true, 5), 0);
-  EXPECT_EQ(split_first(true, 7, true, 5), 1);
-  EXPECT_EQ(split_first(false, 0, true, 5), 1);
-  EXPECT_EQ(split_first(true, 9, false, 5), 0);
 }
 
 TEST(PipelineProtocol, StateArithmetic) {

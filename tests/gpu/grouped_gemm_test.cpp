@@ -443,19 +443,8 @@ TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
   EXPECT_LT(rel_err(ag_used, aref), 1.5e-2);  // as the bf16 test's bound for a
   expect_scales_by_k_block_bitwise(g, {{z.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
                                        {a.dev.view().data, static_cast<size_t>(pool_rows * I * 2)}});
-  // The split producer polling instead of parked (producer_park_ns = 0): the same bytes.
   const size_t zb = static_cast<size_t>(pool_rows * 2 * I * 2), ab = static_cast<size_t>(pool_rows * I * 2);
-  std::vector<uint8_t> z0(zb), a0(ab), z1(zb), a1(ab);
-  ASSERT_EQ(cudaMemcpy(z0.data(), z.dev.view().data, zb, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(a0.data(), a.dev.view().data, ab, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
-  ASSERT_NE(g.producer_park_ns, 0u) << "the default parks; this test compares it with polling";
-  cuda::GroupedGemmArgs polling = g;
-  polling.producer_park_ns = 0;
-  run(polling);
-  ASSERT_EQ(cudaMemcpy(z1.data(), z.dev.view().data, zb, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(a1.data(), a.dev.view().data, ab, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_TRUE(z1 == z0 && a1 == a0) << "a polling producer changed kGateUp's outputs";
+  std::vector<uint8_t> z1(zb), a1(ab);
   // Timing only: without the epilogue nothing is written.
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
   cuda::GroupedGemmArgs no_epilogue = g;

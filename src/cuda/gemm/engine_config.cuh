@@ -21,25 +21,18 @@ inline constexpr int kThreads = 384;
 // it. So P x 128 + C x 256 must fit kLaunchRegs x 384 (not the SM's 65536).
 // A consumer holds a 128 x 128 fp32 tile (128 per thread).
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-// The split rings' producer (pipeline.cuh) keeps a cursor per ring and
-// spills at 40 registers (ptxas); its kernels split 56 / 224. (At 224 the
-// consumers of the by-row-scale FP8 kGateUp, kDown, kDownGrad and
-// kGateUpGrad spill 4-8 bytes, ptxas (kDownGrad: its tile loop counter); the
-// cursors in shared memory with 40 / 232 measured 7-19% slower.)
-template <bool kSplitRings>
+// Producer 40, consumers 232, on one shared ring and on split rings alike
+// (until session 27 one split-ring producer thread kept a cursor per ring in
+// 56 registers, and the consumers' 224 made some FP8 kernels spill).
 struct RegisterSplit {
   static constexpr int kProducer = 40, kConsumer = 232;
 };
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
-template <bool kSplit>
-constexpr bool register_split_fits() {
-  using R = RegisterSplit<kSplit>;
-  return R::kProducer * 128 + R::kConsumer * 2 * 128 <= kLaunchRegs * kThreads && R::kProducer % 8 == 0 &&
-         R::kConsumer % 8 == 0 && kAccPerThread + 64 <= R::kConsumer;
-}
-static_assert(register_split_fits<false>() && register_split_fits<true>(),
-              "a register split exceeds the launch's pool, is not in setmaxnreg's multiples of 8, or leaves the "
+static_assert(RegisterSplit::kProducer * 128 + RegisterSplit::kConsumer * 2 * 128 <= kLaunchRegs * kThreads &&
+                  RegisterSplit::kProducer % 8 == 0 && RegisterSplit::kConsumer % 8 == 0 &&
+                  kAccPerThread + 64 <= RegisterSplit::kConsumer,
+              "the register split exceeds the launch's pool, is not in setmaxnreg's multiples of 8, or leaves the "
               "epilogue too few registers beside the accumulators");
 
 using Elem = uint16_t;  // bf16 operands, as raw 2-byte elements in shared memory

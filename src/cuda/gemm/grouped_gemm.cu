@@ -102,7 +102,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
   constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  static_assert(kAccPerThread + 64 + 32 <= RegisterSplit<true>::kConsumer,
+  static_assert(kAccPerThread + 64 + 32 <= RegisterSplit::kConsumer,
                 "FP8's promotion temporary does not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
@@ -253,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles = scheduler.num_tiles();
   if (wg == 0) {
-    setmaxnreg_dec<RegisterSplit<kSplitRings>::kProducer>();
-    // Producer: one thread issues all TMA loads, tile after tile, in the order
-    // the consumers take them. It returns early when a wait gives up or at
-    // the fault-injection point (debug_stall_at).
+    setmaxnreg_dec<RegisterSplit::kProducer>();
+    // Producer: one thread (on split rings one per ring) issues the TMA loads,
+    // tile after tile, in the order the consumers take them. It returns early
+    // when a wait gives up or at the fault-injection point (debug_stall_at).
     if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32)) {
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // shared ring both walk every tile to keep the pipeline state in step with
   // the producer, and main loops run in tile order, one consumer at a time
   // (OrderBarriers); on split rings each walks its own tiles and ring.
-  setmaxnreg_inc<RegisterSplit<kSplitRings>::kConsumer>();
+  setmaxnreg_inc<RegisterSplit::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const int my_first = kSplitRings ? cw * R : 0;  // this consumer's first slot

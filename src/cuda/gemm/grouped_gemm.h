@@ -142,13 +142,6 @@ struct GroupedGemmArgs {
   // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
-  // Split rings (the FP8 kernels): the producer parks on the earlier tile's
-  // empty barrier for up to this many nanoseconds a turn (mbarrier.try_wait's
-  // suspend-time hint), leaving the issue slots of its sub-partition to the
-  // consumer warps there; 0 polls both rings' barriers. Timing only: the
-  // results are the same. Parked: kGateUp -4%, dW13 -8% at 30B, -3% / -0.3%
-  // at 235B (perf-log, session 24).
-  uint32_t producer_park_ns = 200;
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
   // set false to compare with the one-CTA path.

@@ -86,33 +86,6 @@ struct BoundedWait {
     }
   }
 
-  // Either of two mbarrier phases (the split rings' producer, one per
-  // consumer ring; b1 == nullptr: b0 alone). park_ns = 0: polls both without
-  // suspending; else each turn parks on b0 for up to park_ns (woken as soon as
-  // its phase completes), then tests b1 (GroupedGemmArgs::producer_park_ns).
-  // 0 or 1: the one that completed (b0 when both have); -1: gave up, reported
-  // as a wait on b0 (bounded as wait bounds `barrier`).
-  __device__ __forceinline__ int wait_either(uint64_t* b0, uint32_t p0, uint64_t* b1, uint32_t p1, BarrierId barrier,
-                                             uint32_t phase, uint32_t park_ns) const {
-    if (ptx::mbar_test_wait(b0, p0)) return 0;
-    if (b1 != nullptr && ptx::mbar_test_wait(b1, p1)) return 1;
-    const uint64_t start = global_timer_ns();
-    uint64_t leave_at = ~uint64_t{0};
-    for (;;) {
-      if (park_ns != 0 ? ptx::mbar_try_wait_for(b0, p0, park_ns) : ptx::mbar_test_wait(b0, p0)) return 0;
-      if (b1 != nullptr && ptx::mbar_test_wait(b1, p1)) return 1;
-      const uint64_t now = global_timer_ns();
-      if (now >= leave_at) return -1;
-      if (leave_at == ~uint64_t{0} && (atomicOr(cta_state, 0u) & kAbort) != 0u) leave_at = now + kAbortGraceNs;
-      const uint64_t waited = now - start;
-      if ((barrier == kBarrierFull ? waited : waited / 2) >= sink.timeout_ns) {
-        atomicOr(cta_state, kAbort);
-        report_timeout(sink, kernel, barrier, phase, waited);
-        return -1;
-      }
-    }
-  }
-
   // Until *counter >= value (a release store or atomic by whoever delivers
   // the rows, on this GPU or a peer: read with system-scope acquire). Then the
   // rows it announces may be read by TMA: the proxy fence orders this
@@ -169,10 +142,10 @@ struct StageRing {
 // PipelineState, and the consumers' main loops run at the same time. FP8's
 // per-k-block promotion leaves the tensor cores idle between one
 // warpgroup's wgmma groups; the other warpgroup's wgmmas fill those gaps
-// (one shared ring serialises the main loops: see OrderBarriers). The
-// producer keeps a cursor per ring and loads into whichever ring has a free
-// slot, the earlier tile's first (split_first, pipeline_state.h), so an
-// epilogue still overlaps the other consumer's main loop (grouped_gemm.cu).
+// (one shared ring serialises the main loops: see OrderBarriers). Each ring
+// has its own producer thread (grouped_gemm.cu), so an epilogue still
+// overlaps the other consumer's main loop and neither ring waits for the
+// other's loads or tile look-ups.
 
 // The consumers run their main loops in tile order, one at a time: a consumer
 // starts waiting for its tile's stages only after the other has waited for

@@ -42,13 +42,4 @@ MEGAMOE_HD uint32_t order_parity(int consumer, int mine) {
   return static_cast<uint32_t>(consumer == 0 ? mine - 1 : mine) & 1;
 }
 
-// Split rings (pipeline.cuh): which cursor the producer serves first. Each
-// cursor stands at a tile t (CTA order, blockIdx.x + j x gridDim.x) or has
-// none left; the earlier tile goes first, so it finishes first and its
-// epilogue overlaps the later tile's main loop, as in ping-pong. -1: both done.
-MEGAMOE_HD int split_first(bool has0, int t0, bool has1, int t1) {
-  if (!has0 && !has1) return -1;
-  return has0 && (!has1 || t0 < t1) ? 0 : 1;
-}
-
 }  // namespace megamoe::cuda::engine
