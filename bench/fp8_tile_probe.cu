@@ -11,6 +11,8 @@
 //              of S stages that they share (B written once, read by both).
 //   coop256 S: both on one 128 x 256 tile, 64 rows x two 128-column halves
 //              each (the same 64 + 128 registers as split), S stages of 48 KB.
+// And the split shape with the engine's tile order (`eo`) and with its tile
+// look-ups in the plan arrays too (`eo+lk`): what those cost the engine.
 // No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
 // warm-up; each variant's output checked at sampled entries against a
 // double-precision dot product of the dequantised operands.
@@ -52,18 +54,39 @@ struct Problem {
   const float* a_scales;  // [k / 128, M]
   const float* b_scales;  // [E * n / 128, k / 128]
   __nv_bfloat16* d;       // [M, n]
+  // The engine's plan arrays (kLookup): each 128-row tile's expert, each
+  // expert's first row and row count.
+  const int* tile_expert;
+  const int* expert_offset;
+  const int* expert_rows;
 };
 
-// Tile t of the grid's order: expert-major, then n, then m (the m tiles of one
-// n tile adjacent: they share its B tile in L2).
+// Tile t of the grid's order. kEngineOrder: the engine's (row tile major, its
+// n tiles adjacent); else expert-major, then n, then m (the m tiles of one n
+// tile adjacent: they share its B tile in L2). kLookup: the expert, and whether
+// the tile's second 64 rows hold rows, from the plan arrays in global memory,
+// as the engine's TileScheduler reads them (three dependent loads); else
+// arithmetic.
 struct TileCoord {
   int e, m, n;  // m: global 128-row tile; n: BN-column tile
+  bool lower_half_used;
 };
-template <int kBN>
+template <int kBN, bool kEngineOrder, bool kLookup>
 __device__ __forceinline__ TileCoord tile_of(const Problem& p, int t) {
   const int mt = p.m_per_expert / 128, nt = p.n / kBN;
-  const int e = t / (mt * nt), r = t % (mt * nt);
-  return {e, e * mt + r % mt, r / mt};
+  TileCoord c;
+  if constexpr (kEngineOrder) {
+    c.m = t / nt, c.n = t % nt, c.e = c.m / mt;
+  } else {
+    const int r = t % (mt * nt);
+    c.e = t / (mt * nt), c.m = c.e * mt + r % mt, c.n = r / mt;
+  }
+  c.lower_half_used = true;
+  if constexpr (kLookup) {
+    c.e = p.tile_expert[c.m];
+    c.lower_half_used = p.expert_offset[c.e] + p.expert_rows[c.e] - c.m * 128 > 64;
+  }
+  return c;
 }
 
 // The wgmma m64nN accumulator layout: register i of this thread holds row
@@ -74,7 +97,7 @@ __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threa
 // kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
 // two halves) and ring c (kStages / 2 stages); else both share every tile
 // (64 rows each; kBN / 128 column halves) and one ring of kStages.
-template <int kBN, bool kSplit, int kStages>
+template <int kBN, bool kSplit, int kStages, bool kEngineOrder = false, bool kLookup = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
@@ -104,7 +127,7 @@ __global__ void __launch_bounds__(384, 1)
     const int first = blockIdx.x + (kSplit ? warp : 0) * gridDim.x, stride = kRings * gridDim.x;
     int it = 0;
     for (int t = first; t < tiles; t += stride) {
-      const TileCoord c = tile_of<kBN>(p, t);
+      const TileCoord c = tile_of<kBN, kEngineOrder, kLookup>(p, t);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % R, slot = warp * R + s;
         if (it >= R)
@@ -112,7 +135,11 @@ __global__ void __launch_bounds__(384, 1)
           }
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
-        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128, c.m * 128 + 64 * b);
+        // A box 1 past the tensor's end when the tile's second half holds no rows (TMA fills zeros), as the engine.
+        const int rows_total = p.experts * p.m_per_expert;
+        for (int b = 0; b < 2; ++b)
+          tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128,
+                      b == 1 && !c.lower_half_used ? rows_total : c.m * 128 + 64 * b);
         for (int b = 0; b < kBN / 64; ++b)
           tma_load_2d(stage + kTileBytesA + b * kBoxBytes, &map_b, &full[slot], kb * 128,
                       c.e * p.n + c.n * kBN + 64 * b);
@@ -131,7 +158,7 @@ __global__ void __launch_bounds__(384, 1)
   float tmp[64];
   int it = 0;
   for (int t = first; t < tiles; t += stride) {
-    const TileCoord c = tile_of<kBN>(p, t);
+    const TileCoord c = tile_of<kBN, kEngineOrder, kLookup>(p, t);
 #pragma unroll
     for (int x = 0; x < 2; ++x)
 #pragma unroll
@@ -195,6 +222,8 @@ struct Variant {
 
 const Variant kVariants[] = {
     {"split 4", 128, 4, true, probe_kernel<128, true, 4>},
+    {"split 4 eo", 128, 4, true, probe_kernel<128, true, 4, true, false>},
+    {"split 4 eo+lk", 128, 4, true, probe_kernel<128, true, 4, true, true>},
     {"split 6", 128, 6, true, probe_kernel<128, true, 6>},
     {"coop128 6", 128, 6, false, probe_kernel<128, false, 6>},
     {"coop256 3", 256, 3, false, probe_kernel<256, false, 3>},
@@ -242,7 +271,21 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     std::fprintf(stderr, "megamoe-fp8-tile-probe: tensor maps failed\n");
     return 2;
   }
-  const Problem p{m_per_expert, n, k, experts, dsa, dsb, dd};
+  // The plan arrays of an even routing: expert e's rows [e m, (e + 1) m).
+  const int mt = m_per_expert / 128;
+  std::vector<int> h_tile_expert(static_cast<size_t>(experts) * mt), h_offset(experts), h_rows(experts, m_per_expert);
+  for (int e = 0; e < experts; ++e) {
+    h_offset[e] = e * m_per_expert;
+    for (int i = 0; i < mt; ++i) h_tile_expert[static_cast<size_t>(e) * mt + i] = e;
+  }
+  int *d_tile_expert, *d_offset, *d_rows;
+  CHECK_CUDA(cudaMalloc(&d_tile_expert, h_tile_expert.size() * 4));
+  CHECK_CUDA(cudaMalloc(&d_offset, h_offset.size() * 4));
+  CHECK_CUDA(cudaMalloc(&d_rows, h_rows.size() * 4));
+  CHECK_CUDA(cudaMemcpy(d_tile_expert, h_tile_expert.data(), h_tile_expert.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_offset, h_offset.data(), h_offset.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_rows, h_rows.data(), h_rows.size() * 4, cudaMemcpyHostToDevice));
+  const Problem p{m_per_expert, n, k, experts, dsa, dsb, dd, d_tile_expert, d_offset, d_rows};
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaEvent_t e0, e1;
@@ -303,6 +346,9 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   CHECK_CUDA(cudaFree(dsa));
   CHECK_CUDA(cudaFree(dsb));
   CHECK_CUDA(cudaFree(dd));
+  CHECK_CUDA(cudaFree(d_tile_expert));
+  CHECK_CUDA(cudaFree(d_offset));
+  CHECK_CUDA(cudaFree(d_rows));
   return failures;
 }
 
