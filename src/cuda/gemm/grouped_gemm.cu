@@ -110,7 +110,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   // Its A scales (M-grouped): a_scales[sa + (64 h + 8 q) * kbs + kb]. kWeightGrad
   // scales A^T per row and B^T per column of each k-block: both from the
   // stage's scale ring (the producer's bulk loads), [A 128 | B 128].
-  // Offsets, not pointers (the split kernels' consumers have 224 registers).
+  // Offsets, not pointers (registers: the consumers have 232, the accumulators take 192).
   const int sa = r0 * kbs;
   // B's 128-row scale blocks of this tile's columns: kGateUp's 64 gate and 64
   // up columns sit in two blocks, kDown's 128 columns in one.
