@@ -3,7 +3,7 @@
 // "wider FP8 tiles")? A bare M-grouped FP8 GEMM with the recipe's promotion
 // (e4m3 A [M, K] and B [E * N, K], both K-major; A scaled per row per 128 K,
 // B per 128 x 128 block; fp32 accumulation promoted every 128 K), bf16 out,
-// E experts of M / E rows each, in four shapes of CTA:
+// E experts of M / E rows each, in three shapes of CTA:
 //   split   S: the engine's today: two consumers, each its own 128 x 128 tile
 //              and its own ring of S / 2 stages (32 KB each), main loops at
 //              the same time; a k-block in two row halves of m64n128k32.

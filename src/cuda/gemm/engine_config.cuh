@@ -12,7 +12,7 @@
 
 namespace megamoe::cuda::engine {
 
-// Warpgroup 0: the producer (one thread issues every TMA load); 1, 2: consumers.
+// Warpgroup 0: the producer (one thread issues the TMA loads; on split rings one a ring); 1, 2: consumers.
 inline constexpr int kThreads = 384;
 // Registers: the kernel launches with kLaunchRegs per thread (the most
 // __launch_bounds__(384, 1) allows), and that pool of kLaunchRegs x 384 is all

@@ -1,5 +1,6 @@
-// The grouped GEMM engine: a persistent kernel with one producer warp issuing
-// TMA loads into a ring of shared-memory stages and two consumer warpgroups
+// The grouped GEMM engine: a persistent kernel with a producer thread issuing
+// TMA loads into a ring of shared-memory stages (the FP8 kernels: one per
+// consumer ring, pipeline.cuh) and two consumer warpgroups
 // that take the CTA's tiles in turn ("ping-pong"): while one runs a tile's
 // wgmma main loop the other runs the previous tile's fused epilogue, so the
 // tensor cores do not wait for epilogues. Epilogues stage bf16 output through
