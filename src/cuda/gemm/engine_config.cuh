@@ -71,8 +71,10 @@ struct ModeTraits {
   // kGateUpGrad 1.35 -> 1.37 ms (perf-log, session 17).
   static constexpr bool kPairs = M == GemmMode::kWeightGrad;
   static constexpr int kBarriers = 2 * kStages + 4;
-  // The slot-writing modes' row destinations (epilogues.cuh begin_epilogue): a pointer per tile row, per consumer.
-  static constexpr int kRowDstBytes = M == GemmMode::kDown || M == GemmMode::kGateUpGrad ? 2 * kBlockM * 8 : 0;
+  // The slot-writing modes' row destinations (epilogues.cuh begin_slot_epilogue): a pointer per tile row, per
+  // consumer, [2][kBlockM]; then kDown's routing weight per tile row, [2][kBlockM] f32.
+  static constexpr int kRowDstBytes =
+      M == GemmMode::kDown ? 2 * kBlockM * (8 + 4) : M == GemmMode::kGateUpGrad ? 2 * kBlockM * 8 : 0;
   static_assert(kEpilogueBytes % 1024 == 0, "epilogue buffers must keep the 1024-byte alignment of the 128B swizzle");
 };
 

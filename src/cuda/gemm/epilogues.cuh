@@ -126,9 +126,15 @@ __device__ __forceinline__ void staging_free() {
 struct EpilogueContext {
   __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half)
   __nv_bfloat16** row_dst;  // [128] kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr: nowhere)
+  float* row_w;             // [128] kDown: each tile row's routing weight (0 for a padding row)
   uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
   uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
   uint32_t z_waits;        // kDownGrad: chunks waited for so far (z_full's phase)
+  // kDown, kGateUpGrad: row_src of this thread's tile row (thread r of the
+  // warpgroup: row r), loaded before the tile's main loop, so that the
+  // epilogue does not start by waiting for it (kHoldRows: loaded in the
+  // epilogue, after the tile's rows are in).
+  int32_t my_src;
   const BoundedWait* waits;
   const CUtensorMap* z_map;       // kDownGrad: the saved z [C, 2I]
   const CUtensorMap* out_map[2];  // kDownGrad: dz [C, 2I] and wa [C, I]
@@ -140,17 +146,27 @@ __device__ __forceinline__ void begin_epilogue() { staging_free(); }
 
 // The slot-writing modes' start (kDown, kGateUpGrad): after the barrier, which
 // also frees row_dst, each row's destination dst_of(its row_src) goes to
-// row_dst, a thread a row (the row_src load overlaps the barrier). The stores
-// read it from shared memory, and the slot arithmetic (a 64-bit division by
-// top_k) runs once a row, not once a 16-byte chunk (the FP8 kernels' plain
-// stores: kDown 2030 -> 2300 us at 235B before, session 25).
-template <typename DstOf>
-__device__ __forceinline__ void begin_slot_epilogue(const DevicePlan& plan, int64_t pool_row0,
-                                                    const EpilogueContext& sm, DstOf dst_of) {
+// row_dst, a thread a row, with kDown's routing weight to row_w; kDown meets
+// at the barrier once more, because the staging reads every row's weight.
+// The stores read the destinations from shared memory, and the slot
+// arithmetic (a 64-bit division by top_k) runs once a row, not once a 16-byte
+// chunk (the FP8 kernels' plain stores: kDown 2030 -> 2300 us at 235B before,
+// session 25). The row's source comes loaded (EpilogueContext::my_src); its
+// weight's load overlaps the barrier. Until session 27 each thread loaded the
+// sources and weights of its accumulator rows in the staging loop of each
+// row half: three dependent global loads a tile between main loop and stores.
+template <bool kWeights, typename DstOf>
+__device__ __forceinline__ void begin_slot_epilogue(const float* topk_weights, const EpilogueContext& sm,
+                                                    DstOf dst_of) {
   const int tid = threadIdx.x & 127;  // thread of this consumer warpgroup: one tile row
-  const int32_t my_src = plan.row_src[pool_row0 + tid];
+  float w = 0.0f;
+  if constexpr (kWeights) w = sm.my_src >= 0 ? topk_weights[sm.my_src] : 0.0f;
   staging_free();
-  sm.row_dst[tid] = dst_of(my_src);
+  sm.row_dst[tid] = dst_of(sm.my_src);
+  if constexpr (kWeights) {
+    sm.row_w[tid] = w;
+    consumer_sync();
+  }
 }
 
 // kDirect: the staged modes store with plain stores (store_rows; the FP8 kernels).
@@ -218,13 +234,12 @@ struct SlotEpilogue {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     __nv_bfloat16* staging = sm.staging;
-    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
     // Weighted (forward) or plain (dx) expert output rows go to the source's slot [j, t].
     const int k = plan.top_k;
     const int64_t T = plan.num_tokens, N = a.n;
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
     const GroupedGemmArgs::PeerSlots& peer = a.peer_slots;
-    begin_slot_epilogue(plan, pool_row0, sm, [&](int32_t src) -> __nv_bfloat16* {
+    begin_slot_epilogue<M == GemmMode::kDown>(a.topk_weights, sm, [&](int32_t src) -> __nv_bfloat16* {
       if (src < 0) return nullptr;
       const int64_t v = src / k, j = src % k;
       if (peer.rank_buffers != nullptr) {  // the source rank's return area [k][tokens_per_rank][n]
@@ -245,10 +260,7 @@ struct SlotEpilogue {
         float w_row[2] = {1.0f, 1.0f};
         if constexpr (M == GemmMode::kDown) {
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
-            w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
-          }
+          for (int q = 0; q < 2; ++q) w_row[q] = sm.row_w[acc_row(h, 2 * q)];
         }
 #pragma unroll
         for (int i = 0; i < 64; i += 2) {

@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
   auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + Tr::kBarriers);  // [2][kBlockM]
+  auto* row_w_base = reinterpret_cast<float*>(row_dst_base + 2 * kBlockM);            // kDown: [2][kBlockM]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
   auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + Tr::kRowDstBytes);
   const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
@@ -338,9 +339,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* my_buffer = epilogue_base + cw * kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
                       row_dst_base + cw * kBlockM,
+                      row_w_base + cw * kBlockM,
                       my_buffer,
                       &z_full[cw],
                       0,
+                      -1,
                       &waits,
                       &map_z,
                       {&map_out0, &map_out1}};
@@ -368,6 +371,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     ++mine;
+    // The slot modes' row source, read before the main loop (EpilogueContext::my_src).
+    if constexpr (Tr::kRowDstBytes > 0 && !kHoldRows)
+      if (epilogues) ctx.my_src = p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -424,6 +430,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!epilogues) continue;
+    // kHoldRows: the tile's rows, and so their sources, are in once its main loop has run.
+    if constexpr (Tr::kRowDstBytes > 0 && kHoldRows)
+      ctx.my_src = p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)];
     if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
       bulk_wait_group<0>();
       return;
