@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Per-kernel durations of one megamoe-bench iteration, old tree beside new.
+"""Per-kernel durations of one megamoe-bench iteration, tree beside tree.
 
 Reads the CSVs that scripts/device-profile writes with KERNEL_TIMES=1 (Nsight
 Compute, metric gpu__time_duration.sum, every launch of `--iters 1 --warmup 1`)
-and prints the second half of each (the timed iteration), launch by launch.
-usage: kernel-times.py OLD.csv NEW.csv  (either may be missing)
+and prints the second half of each (the timed iteration), launch by launch,
+with each later tree's ratio to the first.
+usage: kernel-times.py OLD.csv [OTHER.csv ...] NEW.csv  (any may be missing)
 """
 import csv
 import sys
@@ -34,13 +35,21 @@ def launches(path):
     return out[len(out) // 2:]  # the timed half (the first is the warm-up)
 
 
-old, new = (launches(p) for p in sys.argv[1:3])
-n = max(len(old), len(new))
-print(f"{'#':>3} {'kernel':<32} {'old us':>9} {'new us':>9} {'new/old':>8}")
+paths = sys.argv[1:]
+if len(paths) < 2:
+    sys.exit(__doc__)
+sides = [launches(p) for p in paths]
+heads = [p.rsplit("/", 1)[-1].split("-")[1] if "-" in p.rsplit("/", 1)[-1] else f"tree{j}" for j, p in enumerate(paths)]
+n = max(len(s) for s in sides)
+print(f"{'#':>3} {'kernel':<32}" + "".join(f" {h + ' us':>9}" for h in heads) +
+      "".join(f" {h + '/' + heads[0]:>9}" for h in heads[1:]))
+nan = float("nan")
 for i in range(n):
-    o = old[i] if i < len(old) else ("-", float("nan"))
-    w = new[i] if i < len(new) else ("-", float("nan"))
-    name = w[0] if w[0] != "-" else o[0]
-    print(f"{i:>3} {name:<32} {o[1]:>9.1f} {w[1]:>9.1f} {w[1] / o[1] if o[1] else float('nan'):>8.3f}")
-so, sn = sum(t for _, t in old), sum(t for _, t in new)
-print(f"{'':>3} {'sum':<32} {so:>9.1f} {sn:>9.1f} {sn / so if so else float('nan'):>8.3f}")
+    row = [s[i] if i < len(s) else ("-", nan) for s in sides]
+    name = next((r[0] for r in reversed(row) if r[0] != "-"), "-")
+    base = row[0][1]
+    print(f"{i:>3} {name:<32}" + "".join(f" {r[1]:>9.1f}" for r in row) +
+          "".join(f" {r[1] / base if base else nan:>9.3f}" for r in row[1:]))
+sums = [sum(t for _, t in s) for s in sides]
+print(f"{'':>3} {'sum':<32}" + "".join(f" {t:>9.1f}" for t in sums) +
+      "".join(f" {t / sums[0] if sums[0] else nan:>9.3f}" for t in sums[1:]))
