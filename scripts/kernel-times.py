@@ -5,7 +5,10 @@ Reads the CSVs that scripts/device-profile writes with KERNEL_TIMES=1 (Nsight
 Compute, metric gpu__time_duration.sum, every launch of `--iters 1 --warmup 1`)
 and prints the second half of each (the timed iteration), launch by launch,
 with each later tree's ratio to the first.
-usage: kernel-times.py OLD.csv [OTHER.csv ...] NEW.csv  (any may be missing)
+--by-name: one row per kernel name (its launches summed, in order of first
+appearance), for runs whose launch sequences differ (say fp8 against fp8_bwd,
+whose forwards launch different kernels).
+usage: kernel-times.py [--by-name] OLD.csv [OTHER.csv ...] NEW.csv  (any may be missing)
 """
 import csv
 import sys
@@ -35,10 +38,15 @@ def launches(path):
     return out[len(out) // 2:]  # the timed half (the first is the warm-up)
 
 
-paths = sys.argv[1:]
+by_name = "--by-name" in sys.argv[1:]
+paths = [a for a in sys.argv[1:] if a != "--by-name"]
 if len(paths) < 2:
     sys.exit(__doc__)
 sides = [launches(p) for p in paths]
+if by_name:  # same names in every side, in order of first appearance; launches summed
+    order = list(dict.fromkeys(name for side in sides for name, _ in side))
+    sides = [[(name, sum(t for k, t in side if k == name) if any(k == name for k, _ in side) else float("nan"))
+              for name in order] for side in sides]
 heads = [p.rsplit("/", 1)[-1].split("-")[1] if "-" in p.rsplit("/", 1)[-1] else f"tree{j}" for j, p in enumerate(paths)]
 n = max(len(s) for s in sides)
 print(f"{'#':>3} {'kernel':<32}" + "".join(f" {h + ' us':>9}" for h in heads) +
