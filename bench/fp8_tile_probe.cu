@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "cuda/gemm/tensor_map.h"
 #include "cuda/ptx/sm90.cuh"
 
@@ -37,14 +38,7 @@ namespace {
 
 using namespace megamoe::cuda::ptx;
 
-#define CHECK_CUDA(x)                                                                      \
-  do {                                                                                     \
-    const cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "megamoe-fp8-tile-probe: %s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
+#define CHECK_CUDA(x) MEGAMOE_BENCH_CHECK_CUDA("megamoe-fp8-tile-probe", x)
 
 constexpr int kBoxBytes = 64 * 128;     // one TMA box: 64 rows x 128 e4m3
 constexpr int kTileBytesA = 2 * kBoxBytes;  // 128 rows

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench_options.h"
+#include "cuda_check.h"
 #include "cuda/common/device_errors.h"
 #include "cuda/fp8/quantize.h"
 #include "cuda/gemm/grouped_gemm.h"
@@ -29,14 +30,7 @@ namespace {
 
 using namespace megamoe;
 
-#define CHECK_CUDA(x)                                                                       \
-  do {                                                                                      \
-    const cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "megamoe-gemm-bench: %s: %s\n", #x, cudaGetErrorString(e_));   \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
+#define CHECK_CUDA(x) MEGAMOE_BENCH_CHECK_CUDA("megamoe-gemm-bench", x)
 #define CHECK_OK(x)                                                                    \
   do {                                                                                 \
     const Status s_ = (x);                                                             \

@@ -371,9 +371,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     ++mine;
-    // The slot modes' row source, read before the main loop (EpilogueContext::my_src).
+    // The slot modes' row source (EpilogueContext::my_src): this thread's tile row's.
+    auto row_source = [&] { return p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)]; };
+    // Read before the main loop, so that the epilogue does not start by waiting for it.
     if constexpr (Tr::kRowDstBytes > 0 && !kHoldRows)
-      if (epilogues) ctx.my_src = p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)];
+      if (epilogues) ctx.my_src = row_source();
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -431,8 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!epilogues) continue;
     // kHoldRows: the tile's rows, and so their sources, are in once its main loop has run.
-    if constexpr (Tr::kRowDstBytes > 0 && kHoldRows)
-      ctx.my_src = p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)];
+    if constexpr (Tr::kRowDstBytes > 0 && kHoldRows) ctx.my_src = row_source();
     if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
       bulk_wait_group<0>();
       return;
