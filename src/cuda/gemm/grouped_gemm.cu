@@ -131,18 +131,26 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   } else if constexpr (!kWgrad) {
     sb = (tile.expert * static_cast<int>(p.args.n) + tile.n * kBlockN) / 128 * kbs;
   }
-  float tmp[64];
-  for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-    // Scales first: their loads fly while the stage is waited for.
-    float b_s[2] = {1.0f, 1.0f};
-    float a_s[2][2];
-    if constexpr (!kWgrad) b_s[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b_s[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+  // The global scales (B's; A's without the ring) of k-block kb. They are
+  // loaded one k-block ahead: a load issued just before its k-block's wgmmas
+  // came back after them, and the promotion's multiply waited for it (FP8
+  // kDownGrad: 9% of its stall samples on that FMUL, session 28).
+  auto load_scales = [&](int kb, float (&b)[2], float (&a)[2][2]) {
+    if constexpr (!kWgrad) b[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
     if constexpr (!kWgrad && !kARing) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a_s[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
+        for (int q = 0; q < 2; ++q) a[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
+  };
+  float tmp[64];
+  float b_s[2] = {1.0f, 1.0f}, a_s[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};  // k-block kb's
+  if (tile.k_blocks > 0) load_scales(0, b_s, a_s);
+  for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+    // k-block kb + 1's (kb's again on the last: a valid address, no branch).
+    float b_next[2] = {1.0f, 1.0f}, a_next[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
+    load_scales(kb + 1 < tile.k_blocks ? kb + 1 : kb, b_next, a_next);
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad, kARing
     if constexpr (kWgrad || kARing) {  // the tile's row r's scale at stage_scales[r]
@@ -174,6 +182,8 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
       }
     }
     release(ps.stage());  // with a scale ring: every lane, after its own scale reads (see kLaneRelease)
+    b_s[0] = b_next[0], b_s[1] = b_next[1];
+    if constexpr (!kWgrad && !kARing) a_s[0][0] = a_next[0][0], a_s[0][1] = a_next[0][1], a_s[1][0] = a_next[1][0], a_s[1][1] = a_next[1][1];
   }
   return true;
 }
