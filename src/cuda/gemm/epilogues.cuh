@@ -294,14 +294,18 @@ struct Epilogue<GemmMode::kGateUpGrad, kDirect> : SlotEpilogue<GemmMode::kGateUp
 // load brings the chunk, the thread overwrites each g and u element it reads
 // with dz_g and dz_u at the same swizzled place, TMA stores send them out as
 // whole lines, then wa (held in registers meanwhile) goes through the g part
-// the same way. Chunk 1 loads once chunk 0 has left; the next tile's chunk 0
-// loads after the epilogue (the kernel issues it).
+// the same way. Chunk 1 comes in two parts: its u boxes as soon as chunk 0's
+// dz has been read out (wa only goes through the g part), its g boxes once
+// wa has left; z_full expects the whole chunk from the first part on, so it
+// completes when both have landed. The next tile's chunk 0 loads after the
+// epilogue (the kernel issues it), whole.
+enum class ZParts { kAll, kU, kG };
 __device__ __forceinline__ void load_z_chunk(const KernelParams& p, const EpilogueContext& ctx, const Tile& tile,
-                                             int h) {
+                                             int h, ZParts parts = ZParts::kAll) {
   const int I = static_cast<int>(p.args.intermediate);
   const int row = tile.m * kBlockM + h * 64;
-  mbar_arrive_expect_tx(ctx.z_full, kZChunkBytes);
-  for (int b = 0; b < 4; ++b)  // b: g (0, 1) or u (2, 3), column half b % 2
+  if (parts != ZParts::kG) mbar_arrive_expect_tx(ctx.z_full, kZChunkBytes);
+  for (int b = parts == ZParts::kU ? 2 : 0; b < (parts == ZParts::kG ? 2 : 4); ++b)  // b: g (0, 1) or u (2, 3), column half b % 2
     tma_load_2d(ctx.z_chunk + b * kBoxBytes, ctx.z_map, ctx.z_full,
                 (b < 2 ? 0 : I) + tile.n * kBlockN + (b & 1) * 64, row);
 }
@@ -458,6 +462,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
       if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
       if (storer) bulk_wait_group_read<0>();
       consumer_sync();  // dz has been read out: wa may overwrite the g part
+      if (h == 0 && storer) load_z_chunk(p, ctx, tile, 1, ZParts::kU);  // the u part is free now
       const HalfTilePlaces place2;  // the same places, offsets rebuilt (see HalfTilePlaces)
 #pragma unroll
       for (int i = 0; i < 64; i += 2) *reinterpret_cast<uint32_t*>(at(z_g + place2(i))) = wa_held[i / 2];
@@ -467,7 +472,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
         for (int c = 0; c < 2; ++c) tma_store_2d(ctx.out_map[1], ctx.z_chunk + c * kBoxBytes, col0 + c * 64, row);
         bulk_commit_group();
         bulk_wait_group_read<0>();
-        if (h == 0) load_z_chunk(p, ctx, tile, 1);  // the buffer is free: the second row half comes in
+        if (h == 0) load_z_chunk(p, ctx, tile, 1, ZParts::kG);  // the g part is free: the rest of row half 1
       }
     }
     return true;
