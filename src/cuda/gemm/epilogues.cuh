@@ -461,6 +461,8 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
       // dz in e4m3 while the TMA stores read the same bf16 (reads only, on both sides).
       if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
       if (storer) bulk_wait_group_read<0>();
+      // quantize_dz's reads of the u part, ordered before the TMA that overwrites it (proxy write-after-read).
+      if (h == 0 && a.dz_q != nullptr) fence_proxy_async_shared();
       consumer_sync();  // dz has been read out: wa may overwrite the g part
       if (h == 0 && storer) load_z_chunk(p, ctx, tile, 1, ZParts::kU);  // the u part is free now
       const HalfTilePlaces place2;  // the same places, offsets rebuilt (see HalfTilePlaces)
