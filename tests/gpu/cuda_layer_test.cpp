@@ -312,39 +312,45 @@ TEST(CudaLayerRuns, FullQwen3_30bShapeOnASample) {
 
 // accumulate_weight_grads: dw13/dw2 are fp32 accumulators; the call adds its
 // gradient in place (what a trainer with gradient accumulation relies on).
+// bf16 and FP8: the weight-gradient epilogue is one code path, instantiated
+// in both engines.
 TEST(CudaLayerRuns, AccumulatesWeightGradsInFp32) {
   MEGAMOE_REQUIRE_GPU();
   const MoeProblem p = small_problem();
   const LayerData d = random_data(p, Routing::kWithDrops, 6);
-  const LayerOutputs plain = run_gpu(p, cuda_options(), d, DType::kF32);
+  for (Precision precision : {Precision::kBF16, Precision::kFP8}) {
+    SCOPED_TRACE(precision == Precision::kFP8 ? "fp8" : "bf16");
+    MoeOptions o = cuda_options();
+    o.precision = precision;
+    const LayerOutputs plain = run_gpu(p, o, d, DType::kF32);
 
-  MoeOptions o = cuda_options();
-  o.accumulate_weight_grads = true;
-  DeviceLayer dev;
-  DeviceBuffers buffers;
-  MEGAMOE_ASSERT_OK(make_device_layer(p, d, DType::kF32, 0, &dev));
-  MEGAMOE_ASSERT_OK(make_device_buffers(p, o, true, 0, &buffers));
-  // Start the accumulators at a known, non-zero value.
-  LayerOutputs start = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
-  for (int64_t i = 0; i < start.dw13.view.numel(); ++i) start.dw13.set(i, 0.25 * static_cast<double>(i % 7) - 0.5);
-  for (int64_t i = 0; i < start.dw2.view.numel(); ++i) start.dw2.set(i, 0.125 * static_cast<double>(i % 5) + 1.0);
-  MEGAMOE_ASSERT_OK(dev.dw13.upload(start.dw13));
-  MEGAMOE_ASSERT_OK(dev.dw2.upload(start.dw2));
-  const MoeBuffers b = buffers.view();
-  MoeSaved saved;
-  MEGAMOE_ASSERT_OK(moe_forward(p, o, dev.inputs(), dev.y.view(), &saved, &b));
-  MEGAMOE_ASSERT_OK(moe_backward(p, o, dev.inputs(), dev.dy.view(), saved, dev.grads(), &b));
-  MEGAMOE_ASSERT_OK(check_device_errors(0, nullptr));
-  LayerOutputs got = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
-  MEGAMOE_ASSERT_OK(download_outputs(dev, &got));
-  for (auto [acc, base, grad] : {std::tuple{&got.dw13, &start.dw13, &plain.dw13},
-                                 std::tuple{&got.dw2, &start.dw2, &plain.dw2}}) {
-    int64_t wrong = 0;
-    for (int64_t i = 0; i < acc->view.numel(); ++i) {
-      const float want = static_cast<float>(base->get(i)) + static_cast<float>(grad->get(i));
-      wrong += static_cast<float>(acc->get(i)) != want;  // one fp32 add: exact
+    o.accumulate_weight_grads = true;
+    DeviceLayer dev;
+    DeviceBuffers buffers;
+    MEGAMOE_ASSERT_OK(make_device_layer(p, d, DType::kF32, 0, &dev));
+    MEGAMOE_ASSERT_OK(make_device_buffers(p, o, true, 0, &buffers));
+    // Start the accumulators at a known, non-zero value.
+    LayerOutputs start = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
+    for (int64_t i = 0; i < start.dw13.view.numel(); ++i) start.dw13.set(i, 0.25 * static_cast<double>(i % 7) - 0.5);
+    for (int64_t i = 0; i < start.dw2.view.numel(); ++i) start.dw2.set(i, 0.125 * static_cast<double>(i % 5) + 1.0);
+    MEGAMOE_ASSERT_OK(dev.dw13.upload(start.dw13));
+    MEGAMOE_ASSERT_OK(dev.dw2.upload(start.dw2));
+    const MoeBuffers b = buffers.view();
+    MoeSaved saved;
+    MEGAMOE_ASSERT_OK(moe_forward(p, o, dev.inputs(), dev.y.view(), &saved, &b));
+    MEGAMOE_ASSERT_OK(moe_backward(p, o, dev.inputs(), dev.dy.view(), saved, dev.grads(), &b));
+    MEGAMOE_ASSERT_OK(check_device_errors(0, nullptr));
+    LayerOutputs got = make_layer_outputs(p, p.num_tokens, DType::kBF16, DType::kF32, 0.0);
+    MEGAMOE_ASSERT_OK(download_outputs(dev, &got));
+    for (auto [acc, base, grad] : {std::tuple{&got.dw13, &start.dw13, &plain.dw13},
+                                   std::tuple{&got.dw2, &start.dw2, &plain.dw2}}) {
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < acc->view.numel(); ++i) {
+        const float want = static_cast<float>(base->get(i)) + static_cast<float>(grad->get(i));
+        wrong += static_cast<float>(acc->get(i)) != want;  // one fp32 add: exact
+      }
+      EXPECT_EQ(wrong, 0) << "accumulated elements that are not start + gradient";
     }
-    EXPECT_EQ(wrong, 0) << "accumulated elements that are not start + gradient";
   }
 }
 
