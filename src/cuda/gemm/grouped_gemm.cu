@@ -214,7 +214,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Rounded as a shared-window address and converted back, every pointer
+  // derived from smem stays known to the compiler as shared memory, so that
+  // their accesses compile to LDS / STS; rounded through uintptr_t they were
+  // generic LD.E / ST.E (staging, row_dst, row_w, the scale ring: session 28's
+  // SASS). kDownGrad keeps the integer form: its epilogue already addresses
+  // the z chunk through shared addresses, and the shared form cost its bf16
+  // kernels a 4-byte spill.
+  uint8_t* smem = M == GemmMode::kDownGrad
+                      ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})
+                      : static_cast<uint8_t*>(__cvta_shared_to_generic((smem_u32(smem_raw) + 1023u) & ~1023u));
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
   constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStageBytes;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
