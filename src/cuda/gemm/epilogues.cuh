@@ -488,39 +488,65 @@ struct Epilogue<GemmMode::kWeightGrad, kDirect> {
                                              EpilogueContext& sm) const {
     const GroupedGemmArgs& a = p.args;
     begin_epilogue();
-    // A quad's four threads hold 8 adjacent columns of a row: 32-byte (fp32)
-    // or 16-byte (bf16) contiguous pieces per row. Each of this thread's four
-    // rows (h, q) gets one pointer; its 16 column pairs lie 8 columns apart
-    // from it, so a store is one instruction with an immediate offset. (With
-    // the address built per store and out_f32 / accumulate tested per store,
-    // a store took ~18 instructions: ~1150 a tile per thread, session 28's SASS.)
+    // A quad's lane t holds columns 8j + 2t, + 1 of its rows (j = 0..15).
+    // Lanes t and t ^ 1 swap one column pair, so that each holds four
+    // adjacent columns: even t those of j = 2jj (its own pair, then its
+    // partner's), odd t those of j = 2jj + 1 (its partner's, then its own).
+    // A warp's store then covers whole 32-byte sectors: 8 bytes a lane in
+    // bf16 (a pair a lane wrote half sectors: Nsight Compute, session 29,
+    // 50% excess sectors in FP8 dW2) and 16 in fp32, with half the store
+    // instructions (dW2's stores waited on the LSU queue, lg throttle).
+    // Each of this thread's four rows (h, q) gets one pointer, its stores at
+    // immediate offsets 16 jj from it. (With the address built per store, a
+    // store took ~18 instructions: session 28's SASS.)
+    const bool odd = (threadIdx.x & 1) != 0;
     const int64_t N = a.n;
     const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
-                         static_cast<int64_t>(tile.n) * kBlockN + acc_col(0);
-    auto store_tile = [&](auto* out, auto store_pair) {
+                         static_cast<int64_t>(tile.n) * kBlockN + acc_col(0) + (odd ? 6 : 0);
+    // store_quad(dst, lo, hi): lo = columns [c, c + 2), hi = [c + 2, c + 4) of dst's row.
+    auto store_tile = [&](auto* out, auto pack, auto store_quad) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           auto* row = out + base + static_cast<int64_t>(acc_row(h, 2 * q)) * N;
 #pragma unroll
-          for (int j = 0; j < 16; ++j) store_pair(row + 8 * j, acc[h][4 * j + 2 * q], acc[h][4 * j + 2 * q + 1]);
+          for (int jj = 0; jj < 8; ++jj) {
+            const int i0 = 8 * jj + 2 * q, i1 = i0 + 4;  // j = 2jj and 2jj + 1
+            const auto v0 = pack(acc[h][i0], acc[h][i0 + 1]);
+            const auto v1 = pack(acc[h][i1], acc[h][i1 + 1]);
+            const auto got = shfl_xor1(odd ? v0 : v1);
+            store_quad(row + 16 * jj, odd ? got : v0, odd ? v1 : got);
+          }
         }
     };
+    const auto pair_f32 = [](float x, float y) { return make_float2(x, y); };
     if (a.out_f32 && a.accumulate) {
-      store_tile(static_cast<float*>(a.out0), [](float* d, float x, float y) {
-        const float2 old = *reinterpret_cast<const float2*>(d);
-        *reinterpret_cast<float2*>(d) = make_float2(x + old.x, y + old.y);
+      store_tile(static_cast<float*>(a.out0), pair_f32, [](float* d, float2 lo, float2 hi) {
+        const float4 old = *reinterpret_cast<const float4*>(d);
+        *reinterpret_cast<float4*>(d) = make_float4(lo.x + old.x, lo.y + old.y, hi.x + old.z, hi.y + old.w);
       });
     } else if (a.out_f32) {
-      store_tile(static_cast<float*>(a.out0),
-                 [](float* d, float x, float y) { *reinterpret_cast<float2*>(d) = make_float2(x, y); });
-    } else {
-      store_tile(static_cast<__nv_bfloat16*>(a.out0), [](__nv_bfloat16* d, float x, float y) {
-        *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+      store_tile(static_cast<float*>(a.out0), pair_f32, [](float* d, float2 lo, float2 hi) {
+        *reinterpret_cast<float4*>(d) = make_float4(lo.x, lo.y, hi.x, hi.y);
       });
+    } else {
+      store_tile(
+          static_cast<__nv_bfloat16*>(a.out0),
+          [](float x, float y) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(x, y);
+            return *reinterpret_cast<const uint32_t*>(&b);
+          },
+          [](__nv_bfloat16* d, uint32_t lo, uint32_t hi) { *reinterpret_cast<uint2*>(d) = make_uint2(lo, hi); });
     }
     return true;
+  }
+
+ private:
+  // The partner lane's value (t ^ 1 of the quad), the whole warp taking part.
+  __device__ __forceinline__ static uint32_t shfl_xor1(uint32_t v) { return __shfl_xor_sync(0xFFFFFFFFu, v, 1); }
+  __device__ __forceinline__ static float2 shfl_xor1(float2 v) {
+    return make_float2(__shfl_xor_sync(0xFFFFFFFFu, v.x, 1), __shfl_xor_sync(0xFFFFFFFFu, v.y, 1));
   }
 };
 

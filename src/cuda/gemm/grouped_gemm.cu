@@ -536,6 +536,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
   if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
     return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  if (args.mode == GemmMode::kWeightGrad && reinterpret_cast<uintptr_t>(args.out0) % (args.out_f32 ? 16 : 8) != 0)
+    return internal_error("grouped GEMM: kWeightGrad's output must be 16-byte (fp32) or 8-byte (bf16) aligned (4-column "
+                          "stores)");
   if (args.b_k_major && args.mode != GemmMode::kDownGrad && args.mode != GemmMode::kGateUpGrad)
     return internal_error("grouped GEMM: b_k_major is for kDownGrad and kGateUpGrad (the others read K-major B already, "
                           "or both operands MN-major)");
