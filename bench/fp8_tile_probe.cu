@@ -3,19 +3,25 @@
 // "wider FP8 tiles")? A bare M-grouped FP8 GEMM with the recipe's promotion
 // (e4m3 A [M, K] and B [E * N, K], both K-major; A scaled per row per 128 K,
 // B per 128 x 128 block; fp32 accumulation promoted every 128 K), bf16 out,
-// E experts of M / E rows each, in three shapes of CTA:
+// E experts of M / E rows each, in two shapes of CTA:
 //   split   S: the engine's today: two consumers, each its own 128 x 128 tile
 //              and its own ring of S / 2 stages (32 KB each), main loops at
 //              the same time; a k-block in two row halves of m64n128k32.
-//   coop128 S: both consumers on one 128 x 128 tile (64 rows each), one ring
-//              of S stages that they share (B written once, read by both).
 //   coop256 S: both on one 128 x 256 tile, 64 rows x two 128-column halves
 //              each (the same 64 + 128 registers as split), S stages of 48 KB.
-// And the split shape with the engine's tile order (`eo`) and with its tile
-// look-ups in the plan arrays too (`eo+lk`): what those cost the engine.
+// And the same loops without the promotion (`nopromo`: each k-block's
+// wgmmas accumulate straight into the fp32 accumulator, the scales
+// ignored): with one wait per k-block as the recipe's loop (`w0`: what the
+// promotion's multiply-adds cost), and with the next k-block's wgmmas
+// issued before the wait (`w1`, bf16's pipelining: what the per-k-block
+// wait costs as well). The recipe's loop's distance to `w1` bounds what
+// any promotion scheme can win in that CTA shape. (Session 27 measured
+// coop128 and more ring depths, session 28 the engine's tile order and
+// plan look-ups: perf-log; those variants are gone.)
 // No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
 // warm-up; each variant's output checked at sampled entries against a
-// double-precision dot product of the dequantised operands.
+// double-precision dot product of the dequantised operands (without the
+// scales for `nopromo`).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -48,38 +54,20 @@ struct Problem {
   const float* a_scales;  // [k / 128, M]
   const float* b_scales;  // [E * n / 128, k / 128]
   __nv_bfloat16* d;       // [M, n]
-  // The engine's plan arrays (kLookup): each 128-row tile's expert, each
-  // expert's first row and row count.
-  const int* tile_expert;
-  const int* expert_offset;
-  const int* expert_rows;
 };
 
-// Tile t of the grid's order. kEngineOrder: the engine's (row tile major, its
-// n tiles adjacent); else expert-major, then n, then m (the m tiles of one n
-// tile adjacent: they share its B tile in L2). kLookup: the expert, and whether
-// the tile's second 64 rows hold rows, from the plan arrays in global memory,
-// as the engine's TileScheduler reads them (three dependent loads); else
-// arithmetic.
+// Tile t: expert-major, then n, then m (the m tiles of one n tile adjacent:
+// they share its B tile in L2). The engine's order measured 3-12% slower here
+// but no slower in the engine (perf-log, session 28).
 struct TileCoord {
   int e, m, n;  // m: global 128-row tile; n: BN-column tile
-  bool lower_half_used;
 };
-template <int kBN, bool kEngineOrder, bool kLookup>
+template <int kBN>
 __device__ __forceinline__ TileCoord tile_of(const Problem& p, int t) {
   const int mt = p.m_per_expert / 128, nt = p.n / kBN;
+  const int r = t % (mt * nt);
   TileCoord c;
-  if constexpr (kEngineOrder) {
-    c.m = t / nt, c.n = t % nt, c.e = c.m / mt;
-  } else {
-    const int r = t % (mt * nt);
-    c.e = t / (mt * nt), c.m = c.e * mt + r % mt, c.n = r / mt;
-  }
-  c.lower_half_used = true;
-  if constexpr (kLookup) {
-    c.e = p.tile_expert[c.m];
-    c.lower_half_used = p.expert_offset[c.e] + p.expert_rows[c.e] - c.m * 128 > 64;
-  }
+  c.e = t / (mt * nt), c.m = c.e * mt + r % mt, c.n = r / mt;
   return c;
 }
 
@@ -91,7 +79,9 @@ __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threa
 // kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
 // two halves) and ring c (kStages / 2 stages); else both share every tile
 // (64 rows each; kBN / 128 column halves) and one ring of kStages.
-template <int kBN, bool kSplit, int kStages, bool kEngineOrder = false, bool kLookup = false>
+// Promo: the recipe's promotion, or none (timing only; see the top).
+enum class Promo { kRecipe, kNoneWait0, kNoneWait1 };
+template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
@@ -121,7 +111,7 @@ __global__ void __launch_bounds__(384, 1)
     const int first = blockIdx.x + (kSplit ? warp : 0) * gridDim.x, stride = kRings * gridDim.x;
     int it = 0;
     for (int t = first; t < tiles; t += stride) {
-      const TileCoord c = tile_of<kBN, kEngineOrder, kLookup>(p, t);
+      const TileCoord c = tile_of<kBN>(p, t);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % R, slot = warp * R + s;
         if (it >= R)
@@ -129,11 +119,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
-        // A box 1 past the tensor's end when the tile's second half holds no rows (TMA fills zeros), as the engine.
-        const int rows_total = p.experts * p.m_per_expert;
-        for (int b = 0; b < 2; ++b)
-          tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128,
-                      b == 1 && !c.lower_half_used ? rows_total : c.m * 128 + 64 * b);
+        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128, c.m * 128 + 64 * b);
         for (int b = 0; b < kBN / 64; ++b)
           tma_load_2d(stage + kTileBytesA + b * kBoxBytes, &map_b, &full[slot], kb * 128,
                       c.e * p.n + c.n * kBN + 64 * b);
@@ -152,14 +138,50 @@ __global__ void __launch_bounds__(384, 1)
   float tmp[64];
   int it = 0;
   for (int t = first; t < tiles; t += stride) {
-    const TileCoord c = tile_of<kBN, kEngineOrder, kLookup>(p, t);
+    const TileCoord c = tile_of<kBN>(p, t);
 #pragma unroll
     for (int x = 0; x < 2; ++x)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[x][i] = 0.0f;
     // This thread's rows (r and r + 8 of each 64-row half it computes).
     const int row0 = c.m * 128 + (kSplit ? 0 : 64 * cw) + acc_row(0);
-    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+    if constexpr (kPromo != Promo::kRecipe) {
+      // No promotion: every k-block's wgmmas add into acc (scale_d 1 on a zeroed acc).
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int slot = ring0 + it % R;
+        while (!mbar_try_wait(&full[slot], (it / R) & 1)) {
+        }
+        const uint8_t* sa = smem + slot * kStageBytes;
+        const uint8_t* sb = sa + kTileBytesA;
+        fence_accumulators(acc[0]);
+        fence_accumulators(acc[1]);
+        wgmma_fence();
+#pragma unroll
+        for (int x = 0; x < kHalves; ++x) {
+          const uint8_t* a = sa + (kSplit ? x : cw) * kBoxBytes;
+          const uint8_t* b = sb + (kSplit ? 0 : x) * 128 * 128;
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n128k32_e4m3(acc[x], smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024), 1);
+        }
+        wgmma_commit();
+        if constexpr (kPromo == Promo::kNoneWait1) {
+          // This k-block's group stays in flight; the previous one is done, so its stage goes back.
+          wgmma_wait<1>();
+          if (kb > 0 && leader) mbar_arrive(&empty[ring0 + (it - 1) % R]);
+        } else {
+          wgmma_wait<0>();
+          if (leader) mbar_arrive(&empty[slot]);
+        }
+      }
+      if constexpr (kPromo == Promo::kNoneWait1) {
+        wgmma_wait<0>();
+        if (k_blocks > 0 && leader) mbar_arrive(&empty[ring0 + (it - 1) % R]);
+      }
+      fence_accumulators(acc[0]);
+      fence_accumulators(acc[1]);
+    }
+    for (int kb = 0; kPromo == Promo::kRecipe && kb < k_blocks; ++kb, ++it) {
       // Scales first: their loads fly while the stage is waited for. a_s[x]:
       // rows r, r + 8 of row half x (coop: the one half); b_s[x]: column half x's block.
       float a_s[2][2] = {}, b_s[2] = {};
@@ -210,18 +232,16 @@ __global__ void __launch_bounds__(384, 1)
 struct Variant {
   const char* name;
   int bn, stages;
-  bool split;
+  bool scaled;  // false: no promotion, scales ignored (checked against the unscaled product)
   void (*kernel)(CUtensorMap, CUtensorMap, Problem);
 };
 
 const Variant kVariants[] = {
     {"split 4", 128, 4, true, probe_kernel<128, true, 4>},
-    {"split 4 eo", 128, 4, true, probe_kernel<128, true, 4, true, false>},
-    {"split 4 eo+lk", 128, 4, true, probe_kernel<128, true, 4, true, true>},
-    {"split 6", 128, 6, true, probe_kernel<128, true, 6>},
-    {"coop128 6", 128, 6, false, probe_kernel<128, false, 6>},
-    {"coop256 3", 256, 3, false, probe_kernel<256, false, 3>},
-    {"coop256 4", 256, 4, false, probe_kernel<256, false, 4>},
+    {"split 4 nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0>},
+    {"split 4 nopromo w1", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait1>},
+    {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
+    {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
 };
 
 float e4m3_value(uint8_t v) {
@@ -265,21 +285,7 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     std::fprintf(stderr, "megamoe-fp8-tile-probe: tensor maps failed\n");
     return 2;
   }
-  // The plan arrays of an even routing: expert e's rows [e m, (e + 1) m).
-  const int mt = m_per_expert / 128;
-  std::vector<int> h_tile_expert(static_cast<size_t>(experts) * mt), h_offset(experts), h_rows(experts, m_per_expert);
-  for (int e = 0; e < experts; ++e) {
-    h_offset[e] = e * m_per_expert;
-    for (int i = 0; i < mt; ++i) h_tile_expert[static_cast<size_t>(e) * mt + i] = e;
-  }
-  int *d_tile_expert, *d_offset, *d_rows;
-  CHECK_CUDA(cudaMalloc(&d_tile_expert, h_tile_expert.size() * 4));
-  CHECK_CUDA(cudaMalloc(&d_offset, h_offset.size() * 4));
-  CHECK_CUDA(cudaMalloc(&d_rows, h_rows.size() * 4));
-  CHECK_CUDA(cudaMemcpy(d_tile_expert, h_tile_expert.data(), h_tile_expert.size() * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(d_offset, h_offset.data(), h_offset.size() * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(d_rows, h_rows.data(), h_rows.size() * 4, cudaMemcpyHostToDevice));
-  const Problem p{m_per_expert, n, k, experts, dsa, dsb, dd, d_tile_expert, d_offset, d_rows};
+  const Problem p{m_per_expert, n, k, experts, dsa, dsb, dd};
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaEvent_t e0, e1;
@@ -288,7 +294,7 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   const double flops = 2.0 * static_cast<double>(M) * n * k;
   int failures = 0;
   std::printf("%s: E %d x %d rows, N %d, K %d (%.2f TFLOP)\n", label, experts, m_per_expert, n, k, flops * 1e-12);
-  std::printf("  %-12s %9s %9s %8s\n", "variant", "us", "TFLOP/s", "max err");
+  std::printf("  %-20s %9s %9s %8s\n", "variant", "us", "TFLOP/s", "max err");
   for (const Variant& v : kVariants) {
     const int smem = v.stages * (kTileBytesA + v.bn * 128) + 2 * v.stages * 8 + 1024;
     CHECK_CUDA(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -322,8 +328,9 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
           const int64_t kc = static_cast<int64_t>(kb) * 128 + kk;
           part += static_cast<double>(e4m3_value(ha[row * k + kc])) * e4m3_value(hb[(static_cast<int64_t>(e) * n + col) * k + kc]);
         }
-        const double sc = static_cast<double>(hsa[static_cast<int64_t>(kb) * M + row]) *
-                          hsb[(static_cast<int64_t>(e) * n + col) / 128 * (k / 128) + kb];
+        const double sc = !v.scaled ? 1.0
+                                    : static_cast<double>(hsa[static_cast<int64_t>(kb) * M + row]) *
+                                          hsb[(static_cast<int64_t>(e) * n + col) / 128 * (k / 128) + kb];
         ref += part * sc;
         mag += std::fabs(part * sc);
       }
@@ -332,7 +339,7 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     }
     const bool ok = worst < 1e-2;  // bf16 output rounding (2^-9) over the magnitude, with margin
     failures += ok ? 0 : 1;
-    std::printf("  %-12s %9.1f %9.1f %8.1e%s\n", v.name, med * 1e3, flops / (med * 1e-3) * 1e-12, worst,
+    std::printf("  %-20s %9.1f %9.1f %8.1e%s\n", v.name, med * 1e3, flops / (med * 1e-3) * 1e-12, worst,
                 ok ? "" : "  WRONG");
   }
   CHECK_CUDA(cudaFree(da));
@@ -340,9 +347,6 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   CHECK_CUDA(cudaFree(dsa));
   CHECK_CUDA(cudaFree(dsb));
   CHECK_CUDA(cudaFree(dd));
-  CHECK_CUDA(cudaFree(d_tile_expert));
-  CHECK_CUDA(cudaFree(d_offset));
-  CHECK_CUDA(cudaFree(d_rows));
   return failures;
 }
 
