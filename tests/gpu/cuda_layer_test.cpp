@@ -173,7 +173,7 @@ INSTANTIATE_TEST_SUITE_P(
 constexpr double kFp8VsReference = 3e-2, kFp8VsFp64 = 1e-1;
 
 void check_fp8(const Case& c, const std::vector<Precision>& precisions, const std::vector<ScaleMode>& scales,
-               const std::vector<SavePolicy>& saves) {
+               const std::vector<SavePolicy>& saves, const std::vector<DType>& wgrads = {DType::kF32, DType::kBF16}) {
   MoeProblem p;
   p.num_tokens = c.T, p.hidden = c.H, p.intermediate = c.I, p.num_experts = c.E, p.top_k = c.k;
   const LayerData d = random_data(p, c.routing, 23);
@@ -184,13 +184,15 @@ void check_fp8(const Case& c, const std::vector<Precision>& precisions, const st
       SCOPED_TRACE(std::string(c.name) + ", " + to_string(prec) + ", " + sname + " scales");
       std::printf(" %s %s %s scales\n", c.name, to_string(prec), sname);
       const LayerOutputs ref = run_cpu(p, d, false, prec, scale);
-      for (SavePolicy save : saves) {
-        MoeOptions o = cuda_options(save);
-        o.precision = prec, o.fp8_scale_mode = scale;
-        const LayerOutputs got = run_gpu(p, o, d, DType::kF32);
-        expect_close(got, ref, kFp8VsReference, 0, "cpu emulation");
-        expect_close(got, exact, kFp8VsFp64, 0, "fp64");
-      }
+      for (SavePolicy save : saves)
+        for (DType wgrad : wgrads) {  // the weight-gradient epilogue's fp32 and bf16 stores
+          SCOPED_TRACE(std::string("save ") + to_string(save) + ", wgrad " + to_string(wgrad));
+          MoeOptions o = cuda_options(save);
+          o.precision = prec, o.fp8_scale_mode = scale;
+          const LayerOutputs got = run_gpu(p, o, d, wgrad);
+          expect_close(got, ref, kFp8VsReference, 0, "cpu emulation");
+          expect_close(got, exact, kFp8VsFp64, 0, "fp64");
+        }
     }
 }
 
