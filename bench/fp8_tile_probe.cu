@@ -14,10 +14,10 @@
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
 // And the same loops without the promotion (`nopromo`: each k-block's
 // wgmmas accumulate straight into the fp32 accumulator, the scales
-// ignored): with one wait per k-block as the recipe's loop (`w0`: what the
-// promotion's multiply-adds cost), and with the next k-block's wgmmas
-// issued before the wait (`w1`, bf16's pipelining: what the per-k-block
-// wait costs as well). The recipe's loop's distance to `w1` bounds what
+// ignored): with the recipe loop's group and wait per 64-row or 128-column
+// half (`w0`: what the promotion's multiply-adds cost), and with a k-block
+// as one group, the next one issued before it is waited for (`w1`, bf16's
+// pipelining: what the waits cost as well). The recipe's loop's distance to `w1` bounds what
 // any promotion scheme can win in that CTA shape. (Session 27 measured
 // coop128 and more ring depths, session 28 the engine's tile order and
 // plan look-ups: perf-log; those variants are gone.)
@@ -261,14 +261,17 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
               wgmma_m64n128k32_e4m3(acc[x], smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024), 1);
+            if constexpr (kPromo == Promo::kNoneWait0) {  // the recipe's group and wait per half, no arithmetic
+              wgmma_commit();
+              wgmma_wait<0>();
+            }
           }
-          wgmma_commit();
           if constexpr (kPromo == Promo::kNoneWait1) {
             // This k-block's group stays in flight; the previous one is done, so its stage goes back.
+            wgmma_commit();
             wgmma_wait<1>();
             if (kb > 0 && leader) mbar_arrive(&empty[ring0 + (it - 1) % R]);
           } else {
-            wgmma_wait<0>();
             if (leader) mbar_arrive(&empty[slot]);
           }
         }
