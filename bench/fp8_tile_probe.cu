@@ -14,11 +14,12 @@
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
 // And the same loops without the promotion (`nopromo`: each k-block's
 // wgmmas accumulate straight into the fp32 accumulator, the scales
-// ignored): with the recipe loop's group and wait per 64-row or 128-column
-// half (`w0`: what the promotion's multiply-adds cost), and with a k-block
-// as one group, the next one issued before it is waited for (`w1`, bf16's
-// pipelining: what the waits cost as well). The recipe's loop's distance to `w1` bounds what
-// any promotion scheme can win in that CTA shape. (Session 27 measured
+// ignored): split's with the recipe loop's group and wait per 64-row half
+// (`w0`: what the promotion's scale loads and multiply-adds cost), and each
+// shape's with a k-block as one group, the next one issued before it is
+// waited for (`w1`, bf16's pipelining: what the waits cost as well). The
+// recipe loop's distance to `w1` bounds what any promotion scheme can win
+// in that CTA shape. (Session 27 measured
 // coop128 and more ring depths, session 28 the engine's tile order and
 // plan look-ups: perf-log; those variants are gone.)
 // No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
@@ -101,8 +102,9 @@ __device__ __forceinline__ void wgmma_m64n192k32_e4m3(float (&d)[96], uint64_t d
 
 // coop192 (DeepGEMM's shape): both consumers on one 128 x 192 tile, consumer
 // cw its 64 rows x all 192 columns: one batch of four m64n192k32 wgmmas a
-// k-block into a 96-register temporary, one wait, the stage released before
-// the promotion. Accumulator 96 + temporary 96 registers, as split's 64 + 128.
+// k-block into a 96-register temporary (nopromo: into the accumulator), one
+// wait, the stage released before the promotion. Accumulator 96 + temporary
+// 96 registers, as split's 64 + 128. (Built with kRecipe and kNoneWait1.)
 // A 192-column tile spans two of B's 128-column scale blocks, split at column
 // 128 - n0 % 128 (128 or 64): two promotion loops, each with its split fixed.
 template <int kStages, Promo kPromo>
@@ -175,7 +177,8 @@ __device__ __forceinline__ void consume_n192(const Problem& p, const uint8_t* sm
 
 // kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
 // two halves) and ring c (kStages / 2 stages); else both share every tile
-// (64 rows each; kBN / 128 column halves) and one ring of kStages.
+// and one ring of kStages (64 rows each: kBN 256, two 128-column halves;
+// kBN 192, consume_n192).
 template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
