@@ -135,29 +135,35 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
   // loaded one k-block ahead: a load issued just before its k-block's wgmmas
   // came back after them, and the promotion's multiply waited for it (FP8
   // kDownGrad: 9% of its stall samples on that FMUL, session 28).
-  auto load_scales = [&](int kb, float (&b)[2], float (&a)[2][2]) {
-    if constexpr (!kWgrad) b[0] = __ldg(p.args.b_scales + sb + kb * sb_step), b[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
+  // b[c]: column block c's; a[h][q]: row (h, q)'s (with the ring, from the stage instead).
+  struct Scales {
+    float b[2] = {1.0f, 1.0f};
+    float a[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
+  };
+  auto load_scales = [&](int kb) {
+    Scales s;
+    if constexpr (!kWgrad) s.b[0] = __ldg(p.args.b_scales + sb + kb * sb_step), s.b[1] = __ldg(p.args.b_scales + sb + sb_up + kb * sb_step);
     if constexpr (!kWgrad && !kARing) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
+        for (int q = 0; q < 2; ++q) s.a[h][q] = __ldg(p.args.a_scales + sa + (64 * h + 8 * q) * kbs + kb);
     }
+    return s;
   };
   float tmp[64];
-  float b_s[2] = {1.0f, 1.0f}, a_s[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};  // k-block kb's
-  if (tile.k_blocks > 0) load_scales(0, b_s, a_s);
+  Scales cur;  // k-block kb's
+  if (tile.k_blocks > 0) cur = load_scales(0);
   for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
     // k-block kb + 1's (kb's again on the last: a valid address, no branch).
-    float b_next[2] = {1.0f, 1.0f}, a_next[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
-    load_scales(kb + 1 < tile.k_blocks ? kb + 1 : kb, b_next, a_next);
+    const Scales next = load_scales(kb + 1 < tile.k_blocks ? kb + 1 : kb);
     if (!ring.wait_full(waits, ps)) return false;
     const float* stage_scales = scale_ring + ps.stage() * (kScaleStageBytes / 4);  // kWeightGrad, kARing
     if constexpr (kWgrad || kARing) {  // the tile's row r's scale at stage_scales[r]
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) a_s[h][q] = stage_scales[acc_row(h, 2 * q)];
+        for (int q = 0; q < 2; ++q) cur.a[h][q] = stage_scales[acc_row(h, 2 * q)];
     }
     const uint8_t* stage_a = smem + ps.stage() * kStageBytes;
     const uint8_t* stage_b = stage_a + kTileBytesA;
@@ -177,13 +183,12 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
         // Column acc_col(i): the first 64 columns in registers 0..31 (B scale block 0), the rest in 32..63.
-        const float b = kWgrad ? stage_scales[128 + acc_col(i)] : b_s[i >> 5];
-        acc[h][i] += tmp[i] * (a_s[h][(i >> 1) & 1] * b);
+        const float b = kWgrad ? stage_scales[128 + acc_col(i)] : cur.b[i >> 5];
+        acc[h][i] += tmp[i] * (cur.a[h][(i >> 1) & 1] * b);
       }
     }
     release(ps.stage());  // with a scale ring: every lane, after its own scale reads (see kLaneRelease)
-    b_s[0] = b_next[0], b_s[1] = b_next[1];
-    if constexpr (!kWgrad && !kARing) a_s[0][0] = a_next[0][0], a_s[0][1] = a_next[0][1], a_s[1][0] = a_next[1][0], a_s[1][1] = a_next[1][1];
+    cur = next;  // the ring's row scales are read again from the next stage
   }
   return true;
 }
