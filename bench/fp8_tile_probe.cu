@@ -81,8 +81,9 @@ __device__ __forceinline__ TileCoord tile_of(const Problem& p, int t) {
 __device__ __forceinline__ int acc_row(int i) { return 16 * ((threadIdx.x & 127) >> 5) + ((threadIdx.x & 31) >> 2) + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
 
-// Promo: the recipe's promotion, or none (scales ignored; see the top).
-enum class Promo { kRecipe, kNoneWait0, kNoneWait1 };
+// Promo: the recipe's promotion, or none (scales ignored; see the top), or
+// the recipe's promotion one k-block behind its wgmmas (kPipelined, coop128).
+enum class Promo { kRecipe, kNoneWait0, kNoneWait1, kPipelined };
 
 // wgmma m64n192k32, e4m3 x e4m3 -> f32, both operands K-major in shared
 // memory (128-byte swizzle): the coop192 variants' one batch a k-block. Here,
@@ -175,6 +176,86 @@ __device__ __forceinline__ void consume_n192(const Problem& p, const uint8_t* sm
   }
 }
 
+// coop128 pp: both consumers on one 128 x 128 tile, consumer cw its 64 rows,
+// the promotion one k-block behind: k-block kb's wgmmas go into one of two
+// temporaries, then the wait for all but that group, and the previous
+// k-block's temporary is promoted while kb's run, so this consumer's own
+// wgmmas keep the tensor pipe fed through its promotion (the recipe loops
+// above wait for everything first). Accumulator 64 + temporaries 2 x 64
+// registers; a stage is released as soon as its group is done.
+template <int kStages>
+__device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_t* smem, uint64_t* full,
+                                                  uint64_t* empty, int tiles, int k_blocks, int cw) {
+  constexpr int kStageBytes = 2 * kTileBytesA;  // A 128 rows + B 128 rows
+  const bool leader = (threadIdx.x & 31) == 0;
+  float acc[64], tmp0[64], tmp1[64];
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const TileCoord c = tile_of<128>(p, t);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    const int row0 = c.m * 128 + 64 * cw + acc_row(0);  // this thread's rows: row0, row0 + 8
+    const float* b_col = p.b_scales + static_cast<int64_t>((c.e * p.n + c.n * 128) / 128) * k_blocks;
+    // Issue k-block kb into cur (its scale products into s_cur); the stage is waited for here.
+    auto issue = [&](int kb, float(&cur)[64], float(&s_cur)[2]) {
+      const float* a_col = p.a_scales + static_cast<int64_t>(kb) * p.experts * p.m_per_expert;
+      const float b_s = __ldg(b_col + kb);
+      s_cur[0] = __ldg(a_col + row0) * b_s, s_cur[1] = __ldg(a_col + row0 + 8) * b_s;
+      const int slot = it % kStages;
+      while (!mbar_try_wait(&full[slot], (it / kStages) & 1)) {
+      }
+      const uint8_t* sa = smem + slot * kStageBytes + cw * kBoxBytes;
+      const uint8_t* sb = smem + slot * kStageBytes + kTileBytesA;
+      fence_accumulators(cur);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n128k32_e4m3(cur, smem_desc_sw128(sa + kk * 32, 0, 1024), smem_desc_sw128(sb + kk * 32, 0, 1024),
+                              kk > 0 ? 1 : 0);
+      wgmma_commit();
+      ++it;
+    };
+    // prev's group is done (the caller waited): release its stage (the one before the newest) and promote it.
+    auto promote = [&](float(&prev)[64], const float(&s)[2], int stage_it) {
+      fence_accumulators(prev);
+      if (leader) mbar_arrive(&empty[stage_it % kStages]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] += prev[i] * s[(i >> 1) & 1];
+    };
+    // The first k-block is peeled, so that at the loop's head exactly one
+    // group is in flight (tmp0's) on every path: ptxas can then see that
+    // wait<1> retires the temporary that is read next (with a kb > 0 test
+    // inside the loop it serialised the wgmmas, C7514).
+    float s0[2], s1[2];
+    issue(0, tmp0, s0);
+    int kb = 1;
+    for (; kb + 1 < k_blocks; kb += 2) {
+      issue(kb, tmp1, s1);
+      wgmma_wait<1>();
+      promote(tmp0, s0, it - 2);
+      issue(kb + 1, tmp0, s0);
+      wgmma_wait<1>();
+      promote(tmp1, s1, it - 2);
+    }
+    if (kb < k_blocks) {  // one more: tmp1
+      issue(kb, tmp1, s1);
+      wgmma_wait<1>();
+      promote(tmp0, s0, it - 2);
+      wgmma_wait<0>();
+      promote(tmp1, s1, it - 1);
+    } else {
+      wgmma_wait<0>();
+      promote(tmp0, s0, it - 1);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int64_t row = c.m * 128 + 64 * cw + acc_row(i);
+      *reinterpret_cast<__nv_bfloat162*>(p.d + row * p.n + c.n * 128 + acc_col(i)) =
+          __floats2bfloat162_rn(acc[i], acc[i + 1]);
+    }
+  }
+}
+
 // kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
 // two halves) and ring c (kStages / 2 stages); else both share every tile
 // and one ring of kStages (64 rows each: kBN 256, two 128-column halves;
@@ -227,7 +308,10 @@ __global__ void __launch_bounds__(384, 1)
   }
   setmaxnreg_inc<232>();
   const int cw = wg - 1;
-  if constexpr (kBN == 192) {
+  if constexpr (kPromo == Promo::kPipelined) {
+    static_assert(kBN == 128 && !kSplit, "pipelined promotion: coop128");
+    consume_pipelined<kStages>(p, smem, full, empty, tiles, k_blocks, cw);
+  } else if constexpr (kBN == 192) {
     consume_n192<kStages, kPromo>(p, smem, full, empty, tiles, k_blocks, cw);
   } else {
     const bool leader = (threadIdx.x & 31) == 0;
@@ -347,6 +431,9 @@ const Variant kVariants[] = {
     {"split 4 nopromo w1", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait1>},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
+    {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
+    {"coop128 6 pp", 128, 6, true, probe_kernel<128, false, 6, Promo::kPipelined>},
+    {"coop128 6 nopromo w1", 128, 6, false, probe_kernel<128, false, 6, Promo::kNoneWait1>},
     {"coop192 5", 192, 5, true, probe_kernel<192, false, 5>},
     {"coop192 5 nopromo w1", 192, 5, false, probe_kernel<192, false, 5, Promo::kNoneWait1>},
 };
