@@ -3,25 +3,29 @@
 // "wider FP8 tiles")? A bare M-grouped FP8 GEMM with the recipe's promotion
 // (e4m3 A [M, K] and B [E * N, K], both K-major; A scaled per row per 128 K,
 // B per 128 x 128 block; fp32 accumulation promoted every 128 K), bf16 out,
-// E experts of M / E rows each, in three shapes of CTA:
+// E experts of M / E rows each, in four shapes of CTA:
 //   split   S: the engine's today: two consumers, each its own 128 x 128 tile
 //              and its own ring of S / 2 stages (32 KB each), main loops at
 //              the same time; a k-block in two row halves of m64n128k32.
+//   coop128 S: both on one 128 x 128 tile, 64 rows each, one ring of S
+//              stages; `pp` promotes a k-block while the next one's wgmmas
+//              run (two temporaries: 64 + 2 x 64 registers).
 //   coop256 S: both on one 128 x 256 tile, 64 rows x two 128-column halves
 //              each (the same 64 + 128 registers as split), S stages of 48 KB.
 //   coop192 S: DeepGEMM's: both on one 128 x 192 tile, 64 rows x 192 columns
 //              each, one batch of m64n192k32 and one wait a k-block (96 + 96
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
-// And the same loops without the promotion (`nopromo`: each k-block's
+// `split 4 pair`: split's CTAs in clusters of two sharing each weight tile by
+// TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32).
+// And the loops without the promotion (`nopromo`: each k-block's
 // wgmmas accumulate straight into the fp32 accumulator, the scales
 // ignored): split's with the recipe loop's group and wait per 64-row half
 // (`w0`: what the promotion's scale loads and multiply-adds cost), and each
 // shape's with a k-block as one group, the next one issued before it is
 // waited for (`w1`, bf16's pipelining: what the waits cost as well). The
 // recipe loop's distance to `w1` bounds what any promotion scheme can win
-// in that CTA shape. (Session 27 measured
-// coop128 and more ring depths, session 28 the engine's tile order and
-// plan look-ups: perf-log; those variants are gone.)
+// in that CTA shape. (Session 27 measured more ring depths, session 28 the
+// engine's tile order and plan look-ups: perf-log; those variants are gone.)
 // No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
 // warm-up; each variant's output checked at sampled entries against a
 // double-precision dot product of the dequantised operands (without the
@@ -260,11 +264,18 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
 // two halves) and ring c (kStages / 2 stages); else both share every tile
 // and one ring of kStages (64 rows each: kBN 256, two 128-column halves;
 // kBN 192, consume_n192).
-template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe>
+// kPair (split only): launched as clusters of two CTAs that walk pairs of
+// tiles (2u, 2u + 1: rows m and m + 1 of one expert, one column tile: the
+// same weight tile), CTA `rank` taking tile 2u + rank. CTA r loads B's box r
+// of each stage and multicasts it into both CTAs, so each reads 24 KB a
+// k-block from L2 instead of 32; a stage's empty barrier then waits for
+// both CTAs' consumers (4 local + 4 remote warp arrivals).
+template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, bool kPair = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
   static_assert(!kSplit || kBN == 128, "split: 128 x 128 tiles");
+  static_assert(!kPair || (kSplit && kPromo != Promo::kPipelined), "pairs: split rings");
   constexpr int kStageBytes = kTileBytesA + kBN * 128;
   constexpr int kRings = kSplit ? 2 : 1, R = kStages / kRings;
   extern __shared__ uint8_t smem_raw[];
@@ -276,21 +287,30 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kSplit ? 4 : 8);  // warp leaders of the consumer(s) reading the stage
+      mbar_init(&empty[s], kSplit && !kPair ? 4 : 8);  // warp leaders of the consumer(s) reading the stage
     }
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPair) {
+    cluster_sync();  // the peer multicasts into this CTA and arrives on its barriers: both inits first
+  } else {
+    __syncthreads();
+  }
+  // Tile walk: unit u of `units` (a pair-tile for kPair), this CTA's tile of it.
+  const uint32_t rank = kPair ? cluster_rank() : 0u;
+  const int unit0 = kPair ? blockIdx.x / 2 : blockIdx.x, units = kPair ? gridDim.x / 2 : gridDim.x;
+  const int unit_count = kPair ? tiles / 2 : tiles;
+  auto tile_index = [&](int u) { return kPair ? 2 * u + static_cast<int>(rank) : u; };
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<40>();
     // Producer: warp r's first lane fills ring r (split), warp 0's the one ring.
     const int warp = threadIdx.x / 32;
     if ((threadIdx.x & 31) != 0 || warp >= kRings) return;
-    const int first = blockIdx.x + (kSplit ? warp : 0) * gridDim.x, stride = kRings * gridDim.x;
+    const int first = unit0 + (kSplit ? warp : 0) * units, stride = kRings * units;
     int it = 0;
-    for (int t = first; t < tiles; t += stride) {
-      const TileCoord c = tile_of<kBN>(p, t);
+    for (int u = first; u < unit_count; u += stride) {
+      const TileCoord c = tile_of<kBN>(p, tile_index(u));
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % R, slot = warp * R + s;
         if (it >= R)
@@ -299,11 +319,23 @@ __global__ void __launch_bounds__(384, 1)
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
         for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128, c.m * 128 + 64 * b);
-        for (int b = 0; b < kBN / 64; ++b)
-          tma_load_2d(stage + kTileBytesA + b * kBoxBytes, &map_b, &full[slot], kb * 128,
-                      c.e * p.n + c.n * kBN + 64 * b);
+        for (int b = 0; b < kBN / 64; ++b) {
+          uint8_t* dst = stage + kTileBytesA + b * kBoxBytes;
+          const int row = c.e * p.n + c.n * kBN + 64 * b;
+          if constexpr (kPair) {
+            if (b == static_cast<int>(rank)) tma_load_2d_multicast(dst, &map_b, &full[slot], kb * 128, row, 0b11);
+          } else {
+            tma_load_2d(dst, &map_b, &full[slot], kb * 128, row);
+          }
+        }
       }
     }
+    // A pair: stay until both CTAs' consumers have released every stage of
+    // this ring (the peer's last arrivals land in this CTA's shared memory).
+    if constexpr (kPair)
+      for (int s = 0; s < R; ++s, ++it)
+        while (!mbar_try_wait(&empty[warp * R + it % R], ((it / R) - 1) & 1)) {
+        }
     return;
   }
   setmaxnreg_inc<232>();
@@ -316,14 +348,19 @@ __global__ void __launch_bounds__(384, 1)
   } else {
     const bool leader = (threadIdx.x & 31) == 0;
     const int ring0 = kSplit ? cw * R : 0;
-    const int first = blockIdx.x + (kSplit ? cw : 0) * gridDim.x, stride = kRings * gridDim.x;
+    const int first = unit0 + (kSplit ? cw : 0) * units, stride = kRings * units;
+    // A stage goes back to this CTA's producer and, for a pair, the peer's (it multicast into it).
+    auto release = [&](int slot) {
+      mbar_arrive(&empty[slot]);
+      if constexpr (kPair) mbar_arrive_cluster(&empty[slot], rank ^ 1u);
+    };
     // acc[x]: split, rows [64x, 64x + 64) of the tile; coop, columns [128x, 128x + 128) of this consumer's 64 rows.
     constexpr int kHalves = kSplit ? 2 : kBN / 128;
     float acc[2][64];
     float tmp[64];
     int it = 0;
-    for (int t = first; t < tiles; t += stride) {
-      const TileCoord c = tile_of<kBN>(p, t);
+    for (int u = first; u < unit_count; u += stride) {
+      const TileCoord c = tile_of<kBN>(p, tile_index(u));
 #pragma unroll
       for (int x = 0; x < 2; ++x)
 #pragma unroll
@@ -357,14 +394,14 @@ __global__ void __launch_bounds__(384, 1)
             // This k-block's group stays in flight; the previous one is done, so its stage goes back.
             wgmma_commit();
             wgmma_wait<1>();
-            if (kb > 0 && leader) mbar_arrive(&empty[ring0 + (it - 1) % R]);
+            if (kb > 0 && leader) release(ring0 + (it - 1) % R);
           } else {
-            if (leader) mbar_arrive(&empty[slot]);
+            if (leader) release(slot);
           }
         }
         if constexpr (kPromo == Promo::kNoneWait1) {
           wgmma_wait<0>();
-          if (k_blocks > 0 && leader) mbar_arrive(&empty[ring0 + (it - 1) % R]);
+          if (k_blocks > 0 && leader) release(ring0 + (it - 1) % R);
         }
         fence_accumulators(acc[0]);
         fence_accumulators(acc[1]);
@@ -404,7 +441,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int i = 0; i < 64; ++i) acc[x][i] += tmp[i] * ((kSplit ? a_s[x][(i >> 1) & 1] : a_s[0][(i >> 1) & 1]) * sx);
         }
-        if (leader) mbar_arrive(&empty[slot]);
+        if (leader) release(slot);
       }
 #pragma unroll
       for (int x = 0; x < kHalves; ++x)
@@ -423,12 +460,15 @@ struct Variant {
   int bn, stages;
   bool scaled;  // false: no promotion, scales ignored (checked against the unscaled product)
   void (*kernel)(CUtensorMap, CUtensorMap, Problem);
+  bool pair = false;  // launched as 2-CTA clusters
 };
 
 const Variant kVariants[] = {
     {"split 4", 128, 4, true, probe_kernel<128, true, 4>},
     {"split 4 nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0>},
     {"split 4 nopromo w1", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait1>},
+    {"split 4 pair", 128, 4, true, probe_kernel<128, true, 4, Promo::kRecipe, true>, true},
+    {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, true>, true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
     {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
@@ -497,10 +537,29 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     const int smem = v.stages * (kTileBytesA + v.bn * 128) + 2 * v.stages * 8 + 1024;
     CHECK_CUDA(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK_CUDA(cudaMemset(dd, 0, M * n * 2));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(sms);
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute cluster{};
+    if (v.pair) {
+      if (p.m_per_expert % 256 != 0) {  // a pair's tiles are rows m and m + 1 of one expert
+        std::printf("  %-20s %9s %9s %8s  (rows per expert %% 256 != 0)\n", v.name, "-", "-", "-");
+        continue;
+      }
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+      cfg.attrs = &cluster;
+      cfg.numAttrs = 1;
+      cfg.gridDim = dim3(sms / 2 * 2);
+      int pairs = 0;  // as many pairs as fit side by side (a GPC with an odd SM count leaves one out)
+      CHECK_CUDA(cudaOccupancyMaxActiveClusters(&pairs, v.kernel, &cfg));
+      cfg.gridDim = dim3(2 * std::min(pairs, sms / 2));
+    }
     std::vector<float> ms;
     for (int r = 0; r < reps + 3; ++r) {
       CHECK_CUDA(cudaEventRecord(e0));
-      v.kernel<<<sms, 384, smem>>>(ma, mb, p);
+      CHECK_CUDA(cudaLaunchKernelEx(&cfg, v.kernel, ma, mb, p));
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       CHECK_CUDA(cudaGetLastError());
