@@ -469,6 +469,8 @@ const Variant kVariants[] = {
     {"split 4 nopromo w1", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait1>},
     {"split 4 pair", 128, 4, true, probe_kernel<128, true, 4, Promo::kRecipe, true>, true},
     {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, true>, true},
+    {"split 6", 128, 6, true, probe_kernel<128, true, 6>},  // rings of 3: room for the pair's skew
+    {"split 6 pair", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, true>, true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
     {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
@@ -485,6 +487,10 @@ float e4m3_value(uint8_t v) {
 }
 
 int run_shape(const char* label, int experts, int m_per_expert, int n, int k, int reps) {
+  if (k < 128 || k % 128 != 0 || m_per_expert % 128 != 0 || n % 128 != 0) {  // whole tiles and k-blocks, one at least
+    std::fprintf(stderr, "megamoe-fp8-tile-probe: %s: K must be a positive multiple of 128, rows and N of 128\n", label);
+    return 1;
+  }
   const int64_t M = static_cast<int64_t>(experts) * m_per_expert;
   std::mt19937 rng(1234);
   std::vector<uint8_t> ha(M * k), hb(static_cast<int64_t>(experts) * n * k);
@@ -528,10 +534,10 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   const double flops = 2.0 * static_cast<double>(M) * n * k;
   int failures = 0;
   std::printf("%s: E %d x %d rows, N %d, K %d (%.2f TFLOP)\n", label, experts, m_per_expert, n, k, flops * 1e-12);
-  std::printf("  %-20s %9s %9s %8s\n", "variant", "us", "TFLOP/s", "max err");
+  std::printf("  %-23s %9s %9s %8s\n", "variant", "us", "TFLOP/s", "max err");
   for (const Variant& v : kVariants) {
     if (n % v.bn != 0) {  // no partial column tiles in the probe
-      std::printf("  %-20s %9s %9s %8s  (N %% %d != 0)\n", v.name, "-", "-", "-", v.bn);
+      std::printf("  %-23s %9s %9s %8s  (N %% %d != 0)\n", v.name, "-", "-", "-", v.bn);
       continue;
     }
     const int smem = v.stages * (kTileBytesA + v.bn * 128) + 2 * v.stages * 8 + 1024;
@@ -544,7 +550,7 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     cudaLaunchAttribute cluster{};
     if (v.pair) {
       if (p.m_per_expert % 256 != 0) {  // a pair's tiles are rows m and m + 1 of one expert
-        std::printf("  %-20s %9s %9s %8s  (rows per expert %% 256 != 0)\n", v.name, "-", "-", "-");
+        std::printf("  %-23s %9s %9s %8s  (rows per expert %% 256 != 0)\n", v.name, "-", "-", "-");
         continue;
       }
       cluster.id = cudaLaunchAttributeClusterDimension;
@@ -554,6 +560,10 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
       cfg.gridDim = dim3(sms / 2 * 2);
       int pairs = 0;  // as many pairs as fit side by side (a GPC with an odd SM count leaves one out)
       CHECK_CUDA(cudaOccupancyMaxActiveClusters(&pairs, v.kernel, &cfg));
+      if (pairs <= 0) {
+        std::fprintf(stderr, "megamoe-fp8-tile-probe: %s: no pair of CTAs fits\n", v.name);
+        return failures + 1;
+      }
       cfg.gridDim = dim3(2 * std::min(pairs, sms / 2));
     }
     std::vector<float> ms;
@@ -596,8 +606,8 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     }
     const bool ok = worst < 1e-2;  // bf16 output rounding (2^-9) over the magnitude, with margin
     failures += ok ? 0 : 1;
-    std::printf("  %-20s %9.1f %9.1f %8.1e%s\n", v.name, med * 1e3, flops / (med * 1e-3) * 1e-12, worst,
-                ok ? "" : "  WRONG");
+    std::printf("  %-23s %9.1f %9.1f %8.1e  %4u CTAs%s\n", v.name, med * 1e3, flops / (med * 1e-3) * 1e-12, worst,
+                cfg.gridDim.x, ok ? "" : "  WRONG");
   }
   CHECK_CUDA(cudaFree(da));
   CHECK_CUDA(cudaFree(db));
