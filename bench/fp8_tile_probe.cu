@@ -17,6 +17,8 @@
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
 // `split 4 pair`: split's CTAs in clusters of two sharing each weight tile by
 // TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32).
+// `bf16 ...`: the promotion-free loops in bf16 on the same values (k-blocks
+// of 64: twice the bytes a FLOP), the control for whether L2 bounds them.
 // And the loops without the promotion (`nopromo`: each k-block's
 // wgmmas accumulate straight into the fp32 accumulator, the scales
 // ignored): split's with the recipe loop's group and wait per 64-row half
@@ -270,12 +272,17 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
 // of each stage and multicasts it into both CTAs, so each reads 24 KB a
 // k-block from L2 instead of 32; a stage's empty barrier then waits for
 // both CTAs' consumers (4 local + 4 remote warp arrivals).
-template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, bool kPair = false>
+// kBf16: the same loop in bf16 (the control: A and B hold the same values as
+// bf16, a k-block is 64 elements, the same 128-byte box rows and stage bytes,
+// four m64n128k16 wgmmas a half; no promotion in bf16).
+template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, bool kPair = false, bool kBf16 = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
   static_assert(!kSplit || kBN == 128, "split: 128 x 128 tiles");
   static_assert(!kPair || (kSplit && kPromo != Promo::kPipelined), "pairs: split rings");
+  static_assert(!kBf16 || ((kPromo == Promo::kNoneWait0 || kPromo == Promo::kNoneWait1) && kBN != 192),
+                "bf16: the loops without promotion, 128 or 256 columns");
   constexpr int kStageBytes = kTileBytesA + kBN * 128;
   constexpr int kRings = kSplit ? 2 : 1, R = kStages / kRings;
   extern __shared__ uint8_t smem_raw[];
@@ -283,7 +290,8 @@ __global__ void __launch_bounds__(384, 1)
   auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
   const int tiles = p.experts * (p.m_per_expert / 128) * (p.n / kBN);
-  const int k_blocks = p.k / 128;
+  constexpr int kKBlock = kBf16 ? 64 : 128;  // elements a k-block: one 128-byte box row
+  const int k_blocks = p.k / kKBlock;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -318,14 +326,14 @@ __global__ void __launch_bounds__(384, 1)
           }
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
-        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * 128, c.m * 128 + 64 * b);
+        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * kKBlock, c.m * 128 + 64 * b);
         for (int b = 0; b < kBN / 64; ++b) {
           uint8_t* dst = stage + kTileBytesA + b * kBoxBytes;
           const int row = c.e * p.n + c.n * kBN + 64 * b;
           if constexpr (kPair) {
-            if (b == static_cast<int>(rank)) tma_load_2d_multicast(dst, &map_b, &full[slot], kb * 128, row, 0b11);
+            if (b == static_cast<int>(rank)) tma_load_2d_multicast(dst, &map_b, &full[slot], kb * kKBlock, row, 0b11);
           } else {
-            tma_load_2d(dst, &map_b, &full[slot], kb * 128, row);
+            tma_load_2d(dst, &map_b, &full[slot], kb * kKBlock, row);
           }
         }
       }
@@ -384,7 +392,13 @@ __global__ void __launch_bounds__(384, 1)
             const uint8_t* b = sb + (kSplit ? 0 : x) * 128 * 128;
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-              wgmma_m64n128k32_e4m3(acc[x], smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024), 1);
+              if constexpr (kBf16) {
+                wgmma_m64n128k16_bf16<0, 0>(acc[x], smem_desc_sw128(a + kk * 32, 0, 1024),
+                                            smem_desc_sw128(b + kk * 32, 0, 1024), 1);
+              } else {
+                wgmma_m64n128k32_e4m3(acc[x], smem_desc_sw128(a + kk * 32, 0, 1024),
+                                      smem_desc_sw128(b + kk * 32, 0, 1024), 1);
+              }
             if constexpr (kPromo == Promo::kNoneWait0) {  // the recipe's group and wait per half, no arithmetic
               wgmma_commit();
               wgmma_wait<0>();
@@ -461,6 +475,7 @@ struct Variant {
   bool scaled;  // false: no promotion, scales ignored (checked against the unscaled product)
   void (*kernel)(CUtensorMap, CUtensorMap, Problem);
   bool pair = false;  // launched as 2-CTA clusters
+  bool bf16 = false;  // bf16 operands (the same values), k-blocks of 64
 };
 
 const Variant kVariants[] = {
@@ -471,6 +486,10 @@ const Variant kVariants[] = {
     {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, true>, true},
     {"split 6", 128, 6, true, probe_kernel<128, true, 6>},  // rings of 3: room for the pair's skew
     {"split 6 pair", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, true>, true},
+    // The bf16 control: is the loop bound by L2 (bf16 moves twice the bytes a FLOP)?
+    {"bf16 split 6 w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, false, true>, false, true},
+    {"bf16 split 6 pair w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, true, true>, true, true},
+    {"bf16 coop256 4 w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1, false, true>, false, true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
     {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
@@ -519,9 +538,24 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   CHECK_CUDA(cudaMemcpy(db, hb.data(), hb.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dsa, hsa.data(), hsa.size() * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dsb, hsb.data(), hsb.size() * 4, cudaMemcpyHostToDevice));
-  CUtensorMap ma, mb;
+  // The bf16 control's operands: the same values (every e4m3 value is a bf16 one).
+  auto widen = [](const std::vector<uint8_t>& v) {
+    std::vector<__nv_bfloat16> w(v.size());
+    for (size_t i = 0; i < v.size(); ++i) w[i] = __float2bfloat16(e4m3_value(v[i]));
+    return w;
+  };
+  const std::vector<__nv_bfloat16> ha16 = widen(ha), hb16 = widen(hb);
+  __nv_bfloat16 *da16, *db16;
+  CHECK_CUDA(cudaMalloc(&da16, ha16.size() * 2));
+  CHECK_CUDA(cudaMalloc(&db16, hb16.size() * 2));
+  CHECK_CUDA(cudaMemcpy(da16, ha16.data(), ha16.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(db16, hb16.data(), hb16.size() * 2, cudaMemcpyHostToDevice));
+  CUtensorMap ma, mb, ma16, mb16;
+  const int64_t b_rows = static_cast<int64_t>(experts) * n;
   if (!megamoe::cuda::make_tma_2d_e4m3_box64x128(da, M, k, &ma).ok() ||
-      !megamoe::cuda::make_tma_2d_e4m3_box64x128(db, static_cast<int64_t>(experts) * n, k, &mb).ok()) {
+      !megamoe::cuda::make_tma_2d_e4m3_box64x128(db, b_rows, k, &mb).ok() ||
+      !megamoe::cuda::make_tma_2d_bf16_box64(da16, M, k, &ma16).ok() ||
+      !megamoe::cuda::make_tma_2d_bf16_box64(db16, b_rows, k, &mb16).ok()) {
     std::fprintf(stderr, "megamoe-fp8-tile-probe: tensor maps failed\n");
     return 2;
   }
@@ -569,7 +603,7 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     std::vector<float> ms;
     for (int r = 0; r < reps + 3; ++r) {
       CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(cudaLaunchKernelEx(&cfg, v.kernel, ma, mb, p));
+      CHECK_CUDA(cudaLaunchKernelEx(&cfg, v.kernel, v.bf16 ? ma16 : ma, v.bf16 ? mb16 : mb, p));
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       CHECK_CUDA(cudaGetLastError());
@@ -611,6 +645,8 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
   }
   CHECK_CUDA(cudaFree(da));
   CHECK_CUDA(cudaFree(db));
+  CHECK_CUDA(cudaFree(da16));
+  CHECK_CUDA(cudaFree(db16));
   CHECK_CUDA(cudaFree(dsa));
   CHECK_CUDA(cudaFree(dsb));
   CHECK_CUDA(cudaFree(dd));
