@@ -16,7 +16,8 @@
 //              each, one batch of m64n192k32 and one wait a k-block (96 + 96
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
 // `split 4 pair`: split's CTAs in clusters of two sharing each weight tile by
-// TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32).
+// TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32); `pairA`
+// shares the row tile instead (the engine's bf16 kWeightGrad pairs).
 // `bf16 ...`: the promotion-free loops in bf16 on the same values (k-blocks
 // of 64: twice the bytes a FLOP), the control for whether L2 bounds them.
 // And the loops without the promotion (`nopromo`: each k-block's
@@ -90,6 +91,9 @@ __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threa
 // Promo: the recipe's promotion, or none (scales ignored; see the top), or
 // the recipe's promotion one k-block behind its wgmmas (kPipelined, coop128).
 enum class Promo { kRecipe, kNoneWait0, kNoneWait1, kPipelined };
+// Pair: CTAs one at a time, or in clusters of two sharing the weight tile (B)
+// or the row tile (A) by multicast (probe_kernel).
+enum class Pair { kNone, kShareB, kShareA };
 
 // wgmma m64n192k32, e4m3 x e4m3 -> f32, both operands K-major in shared
 // memory (128-byte swizzle): the coop192 variants' one batch a k-block. Here,
@@ -267,18 +271,22 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
 // and one ring of kStages (64 rows each: kBN 256, two 128-column halves;
 // kBN 192, consume_n192).
 // kPair (split only): launched as clusters of two CTAs that walk pairs of
-// tiles (2u, 2u + 1: rows m and m + 1 of one expert, one column tile: the
-// same weight tile), CTA `rank` taking tile 2u + rank. CTA r loads B's box r
-// of each stage and multicasts it into both CTAs, so each reads 24 KB a
-// k-block from L2 instead of 32; a stage's empty barrier then waits for
-// both CTAs' consumers (4 local + 4 remote warp arrivals).
+// tiles, CTA `rank` taking one of each pair; CTA r loads box r of the shared
+// operand of each stage and multicasts it into both CTAs, so each reads 24 KB
+// a k-block from L2 instead of 32; a stage's empty barrier then waits for
+// both CTAs' consumers (4 local + 4 remote warp arrivals). Pair::kShareB:
+// tiles 2u, 2u + 1 (rows m and m + 1 of one expert, one column tile: the
+// same weight tile; what SonicMoE's clusters share). Pair::kShareA: column
+// tiles n and n + 1 of one row tile (the engine's bf16 kWeightGrad pairs).
 // kBf16: the same loop in bf16 (the control: A and B hold the same values as
 // bf16, a k-block is 64 elements, the same 128-byte box rows and stage bytes,
 // four m64n128k16 wgmmas a half; no promotion in bf16).
-template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, bool kPair = false, bool kBf16 = false>
+template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, Pair kPairing = Pair::kNone,
+          bool kBf16 = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
+  constexpr bool kPair = kPairing != Pair::kNone;
   static_assert(!kSplit || kBN == 128, "split: 128 x 128 tiles");
   static_assert(!kPair || (kSplit && kPromo != Promo::kPipelined), "pairs: split rings");
   static_assert(!kBf16 || ((kPromo == Promo::kNoneWait0 || kPromo == Promo::kNoneWait1) && kBN != 192),
@@ -308,7 +316,15 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t rank = kPair ? cluster_rank() : 0u;
   const int unit0 = kPair ? blockIdx.x / 2 : blockIdx.x, units = kPair ? gridDim.x / 2 : gridDim.x;
   const int unit_count = kPair ? tiles / 2 : tiles;
-  auto tile_index = [&](int u) { return kPair ? 2 * u + static_cast<int>(rank) : u; };
+  auto tile_index = [&](int u) {
+    if constexpr (kPairing == Pair::kShareB) return 2 * u + static_cast<int>(rank);
+    if constexpr (kPairing == Pair::kShareA) {  // tile_of's order: expert, then n, then m
+      const int mt = p.m_per_expert / 128, per_expert = mt * (p.n / kBN) / 2;
+      const int r = u % per_expert, n = 2 * (r / mt) + static_cast<int>(rank);
+      return (u / per_expert) * 2 * per_expert + n * mt + r % mt;
+    }
+    return u;
+  };
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<40>();
@@ -326,16 +342,19 @@ __global__ void __launch_bounds__(384, 1)
           }
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
-        for (int b = 0; b < 2; ++b) tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * kKBlock, c.m * 128 + 64 * b);
-        for (int b = 0; b < kBN / 64; ++b) {
-          uint8_t* dst = stage + kTileBytesA + b * kBoxBytes;
-          const int row = c.e * p.n + c.n * kBN + 64 * b;
-          if constexpr (kPair) {
-            if (b == static_cast<int>(rank)) tma_load_2d_multicast(dst, &map_b, &full[slot], kb * kKBlock, row, 0b11);
-          } else {
-            tma_load_2d(dst, &map_b, &full[slot], kb * kKBlock, row);
+        // Box b of an operand: this CTA's own, or (the pair's shared operand) box `rank` into both CTAs.
+        auto load = [&](const CUtensorMap* map, uint8_t* dst, int row, int b, bool shared) {
+          if (!shared) {
+            tma_load_2d(dst, map, &full[slot], kb * kKBlock, row);
+          } else if (b == static_cast<int>(rank)) {
+            tma_load_2d_multicast(dst, map, &full[slot], kb * kKBlock, row, 0b11);
           }
-        }
+        };
+        for (int b = 0; b < 2; ++b)
+          load(&map_a, stage + b * kBoxBytes, c.m * 128 + 64 * b, b, kPairing == Pair::kShareA);
+        for (int b = 0; b < kBN / 64; ++b)
+          load(&map_b, stage + kTileBytesA + b * kBoxBytes, c.e * p.n + c.n * kBN + 64 * b, b,
+               kPairing == Pair::kShareB);
       }
     }
     // A pair: stay until both CTAs' consumers have released every stage of
@@ -482,14 +501,19 @@ const Variant kVariants[] = {
     {"split 4", 128, 4, true, probe_kernel<128, true, 4>},
     {"split 4 nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0>},
     {"split 4 nopromo w1", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait1>},
-    {"split 4 pair", 128, 4, true, probe_kernel<128, true, 4, Promo::kRecipe, true>, true},
-    {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, true>, true},
+    {"split 4 pair", 128, 4, true, probe_kernel<128, true, 4, Promo::kRecipe, Pair::kShareB>, true},
+    {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, Pair::kShareB>, true},
     {"split 6", 128, 6, true, probe_kernel<128, true, 6>},  // rings of 3: room for the pair's skew
-    {"split 6 pair", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, true>, true},
+    {"split 6 pair", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, Pair::kShareB>, true},
+    {"split 6 pairA", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, Pair::kShareA>, true},
     // The bf16 control: is the loop bound by L2 (bf16 moves twice the bytes a FLOP)?
-    {"bf16 split 6 w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, false, true>, false, true},
-    {"bf16 split 6 pair w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, true, true>, true, true},
-    {"bf16 coop256 4 w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1, false, true>, false, true},
+    {"bf16 split 6 w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kNone, true>, false, true},
+    {"bf16 split 6 pair w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kShareB, true>, true,
+     true},
+    {"bf16 split 6 pairA w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kShareA, true>, true,
+     true},
+    {"bf16 coop256 4 w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1, Pair::kNone, true>, false,
+     true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
     {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
@@ -583,8 +607,8 @@ int run_shape(const char* label, int experts, int m_per_expert, int n, int k, in
     cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute cluster{};
     if (v.pair) {
-      if (p.m_per_expert % 256 != 0) {  // a pair's tiles are rows m and m + 1 of one expert
-        std::printf("  %-23s %9s %9s %8s  (rows per expert %% 256 != 0)\n", v.name, "-", "-", "-");
+      if (p.m_per_expert % 256 != 0 || (n / v.bn) % 2 != 0) {  // pairs of row tiles, or of column tiles
+        std::printf("  %-23s %9s %9s %8s  (odd row or column tiles)\n", v.name, "-", "-", "-");
         continue;
       }
       cluster.id = cudaLaunchAttributeClusterDimension;
