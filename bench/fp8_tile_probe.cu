@@ -111,6 +111,19 @@ __device__ __forceinline__ void wgmma_m64n192k32_e4m3(float (&d)[96], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// One k-block of a 64-row x 128-column block into the temporary d, afresh
+// (the first of its four m64n128k32 wgmmas with scale_d 0), as one group.
+// a, b: the block's A rows and B columns in the stage (K-major, 128B swizzle).
+__device__ __forceinline__ void issue_fresh_kblock(float (&d)[64], const uint8_t* a, const uint8_t* b) {
+  fence_accumulators(d);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_m64n128k32_e4m3(d, smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024),
+                          kk > 0 ? 1 : 0);
+  wgmma_commit();
+}
+
 // coop192 (DeepGEMM's shape): both consumers on one 128 x 192 tile, consumer
 // cw its 64 rows x all 192 columns: one batch of four m64n192k32 wgmmas a
 // k-block into a 96-register temporary (nopromo: into the accumulator), one
@@ -216,13 +229,7 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
       }
       const uint8_t* sa = smem + slot * kStageBytes + cw * kBoxBytes;
       const uint8_t* sb = smem + slot * kStageBytes + kTileBytesA;
-      fence_accumulators(cur);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n128k32_e4m3(cur, smem_desc_sw128(sa + kk * 32, 0, 1024), smem_desc_sw128(sb + kk * 32, 0, 1024),
-                              kk > 0 ? 1 : 0);
-      wgmma_commit();
+      issue_fresh_kblock(cur, sa, sb);
       ++it;
     };
     // prev's group is done (the caller waited): release its stage (the one before the newest) and promote it.
@@ -461,13 +468,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int x = 0; x < kHalves; ++x) {
           const uint8_t* a = sa + (kSplit ? x : cw) * kBoxBytes;
           const uint8_t* b = sb + (kSplit ? 0 : x) * 128 * 128;
-          fence_accumulators(tmp);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n128k32_e4m3(tmp, smem_desc_sw128(a + kk * 32, 0, 1024), smem_desc_sw128(b + kk * 32, 0, 1024),
-                                  kk > 0 ? 1 : 0);
-          wgmma_commit();
+          issue_fresh_kblock(tmp, a, b);
           wgmma_wait<0>();
           fence_accumulators(tmp);
           const float sx = kSplit ? b_s[0] : b_s[x];
