@@ -88,6 +88,13 @@ __device__ __forceinline__ TileCoord tile_of(const Problem& p, int t) {
 __device__ __forceinline__ int acc_row(int i) { return 16 * ((threadIdx.x & 127) >> 5) + ((threadIdx.x & 31) >> 2) + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int acc_col(int i) { return 8 * (i >> 2) + 2 * (threadIdx.x & 3) + (i & 1); }
 
+// Spins until the mbarrier's phase of this parity has completed (the probe
+// has no fault to report: a hang is a bug here).
+__device__ __forceinline__ void spin_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
 // Promo: the recipe's promotion, or none (scales ignored; see the top), or
 // the recipe's promotion one k-block behind its wgmmas (kPipelined, coop128).
 enum class Promo { kRecipe, kNoneWait0, kNoneWait1, kPipelined };
@@ -153,8 +160,7 @@ __device__ __forceinline__ void consume_n192(const Problem& p, const uint8_t* sm
         b_s[0] = __ldg(p.b_scales + blk * k_blocks + kb), b_s[1] = __ldg(p.b_scales + (blk + 1) * k_blocks + kb);
       }
       const int slot = it % kStages;
-      while (!mbar_try_wait(&full[slot], (it / kStages) & 1)) {
-      }
+      spin_wait(&full[slot], (it / kStages) & 1);
       const uint8_t* sa = smem + slot * kStageBytes + cw * kBoxBytes;
       const uint8_t* sb = smem + slot * kStageBytes + kTileBytesA;
       float(&dst)[96] = kPromo == Promo::kRecipe ? tmp : acc;
@@ -225,8 +231,7 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
       const float b_s = __ldg(b_col + kb);
       s_cur[0] = __ldg(a_col + row0) * b_s, s_cur[1] = __ldg(a_col + row0 + 8) * b_s;
       const int slot = it % kStages;
-      while (!mbar_try_wait(&full[slot], (it / kStages) & 1)) {
-      }
+      spin_wait(&full[slot], (it / kStages) & 1);
       const uint8_t* sa = smem + slot * kStageBytes + cw * kBoxBytes;
       const uint8_t* sb = smem + slot * kStageBytes + kTileBytesA;
       issue_fresh_kblock(cur, sa, sb);
@@ -345,8 +350,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % R, slot = warp * R + s;
         if (it >= R)
-          while (!mbar_try_wait(&empty[slot], ((it / R) - 1) & 1)) {
-          }
+          spin_wait(&empty[slot], ((it / R) - 1) & 1);
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
         // Box b of an operand: this CTA's own, or (the pair's shared operand) box `rank` into both CTAs.
@@ -368,8 +372,7 @@ __global__ void __launch_bounds__(384, 1)
     // this ring (the peer's last arrivals land in this CTA's shared memory).
     if constexpr (kPair)
       for (int s = 0; s < R; ++s, ++it)
-        while (!mbar_try_wait(&empty[warp * R + it % R], ((it / R) - 1) & 1)) {
-        }
+        spin_wait(&empty[warp * R + it % R], ((it / R) - 1) & 1);
     return;
   }
   setmaxnreg_inc<232>();
@@ -405,8 +408,7 @@ __global__ void __launch_bounds__(384, 1)
         // No promotion: every k-block's wgmmas add into acc (scale_d 1 on a zeroed acc).
         for (int kb = 0; kb < k_blocks; ++kb, ++it) {
           const int slot = ring0 + it % R;
-          while (!mbar_try_wait(&full[slot], (it / R) & 1)) {
-          }
+          spin_wait(&full[slot], (it / R) & 1);
           const uint8_t* sa = smem + slot * kStageBytes;
           const uint8_t* sb = sa + kTileBytesA;
           fence_accumulators(acc[0]);
@@ -460,8 +462,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int x = 0; x < (kSplit ? 1 : kHalves); ++x)
           b_s[x] = __ldg(p.b_scales + static_cast<int64_t>((c.e * p.n + c.n * kBN) / 128 + x) * k_blocks + kb);
         const int s = it % R, slot = ring0 + s;
-        while (!mbar_try_wait(&full[slot], (it / R) & 1)) {
-        }
+        spin_wait(&full[slot], (it / R) & 1);
         const uint8_t* sa = smem + slot * kStageBytes;
         const uint8_t* sb = sa + kTileBytesA;
 #pragma unroll
