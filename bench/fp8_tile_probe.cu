@@ -8,16 +8,16 @@
 //              and its own ring of S / 2 stages (32 KB each), main loops at
 //              the same time; a k-block in two row halves of m64n128k32.
 //   coop128 S: both on one 128 x 128 tile, 64 rows each, one ring of S
-//              stages; `pp` promotes a k-block while the next one's wgmmas
-//              run (two temporaries: 64 + 2 x 64 registers).
+//              stages.
 //   coop256 S: both on one 128 x 256 tile, 64 rows x two 128-column halves
-//              each (the same 64 + 128 registers as split), S stages of 48 KB.
+//              each (the same 64 + 128 registers as split), S stages of 48 KB;
+//              `n256`: one m64n256 wgmma a k-step instead of two m64n128
+//              (A read from shared memory once, not twice).
 //   coop192 S: DeepGEMM's: both on one 128 x 192 tile, 64 rows x 192 columns
 //              each, one batch of m64n192k32 and one wait a k-block (96 + 96
 //              registers), S stages of 40 KB (shapes with N % 192 == 0).
 // `split 4 pair`: split's CTAs in clusters of two sharing each weight tile by
-// TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32); `pairA`
-// shares the row tile instead (the engine's bf16 kWeightGrad pairs).
+// TMA multicast (24 KB of L2 reads a k-block per CTA instead of 32).
 // `bf16 ...`: the promotion-free loops in bf16 on the same values (k-blocks
 // of 64: twice the bytes a FLOP), the control for whether L2 bounds them.
 // And the loops without the promotion (`nopromo`: each k-block's
@@ -28,7 +28,8 @@
 // waited for (`w1`, bf16's pipelining: what the waits cost as well). The
 // recipe loop's distance to `w1` bounds what any promotion scheme can win
 // in that CTA shape. (Session 27 measured more ring depths, session 28 the
-// engine's tile order and plan look-ups: perf-log; those variants are gone.)
+// engine's tile order and plan look-ups, session 30 the pipelined promotion
+// and pairs sharing the row tile: perf-log; those variants are gone.)
 // No epilogue beyond plain bf16 stores of the tile. CUDA-event medians after
 // warm-up; each variant's output checked at sampled entries against a
 // double-precision dot product of the dequantised operands (without the
@@ -95,12 +96,11 @@ __device__ __forceinline__ void spin_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// Promo: the recipe's promotion, or none (scales ignored; see the top), or
-// the recipe's promotion one k-block behind its wgmmas (kPipelined, coop128).
-enum class Promo { kRecipe, kNoneWait0, kNoneWait1, kPipelined };
+// Promo: the recipe's promotion, or none (scales ignored; see the top).
+enum class Promo { kRecipe, kNoneWait0, kNoneWait1 };
 // Pair: CTAs one at a time, or in clusters of two sharing the weight tile (B)
 // or the row tile (A) by multicast (probe_kernel).
-enum class Pair { kNone, kShareB, kShareA };
+enum class Pair { kNone, kShareB };
 
 // wgmma m64n192k32, e4m3 x e4m3 -> f32, both operands K-major in shared
 // memory (128-byte swizzle): the coop192 variants' one batch a k-block. Here,
@@ -115,6 +115,38 @@ __device__ __forceinline__ void wgmma_m64n192k32_e4m3(float (&d)[96], uint64_t d
       "%96, %97, p, 1, 1;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// The `n256` rows' one wgmma a k-step over all 256 columns of a consumer's 64
+// rows (A read once, not once per 128-column half): bf16 m64n256k16 and e4m3
+// m64n256k32, both operands K-major in shared memory (128-byte swizzle), the
+// accumulator as two 64-register halves (columns 0-127, 128-255).
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d0)[64], float (&d1)[64], uint64_t desc_a, uint64_t desc_b,
+                                       int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d0[0]), "+f"(d0[1]), "+f"(d0[2]), "+f"(d0[3]), "+f"(d0[4]), "+f"(d0[5]), "+f"(d0[6]), "+f"(d0[7]), "+f"(d0[8]), "+f"(d0[9]), "+f"(d0[10]), "+f"(d0[11]), "+f"(d0[12]), "+f"(d0[13]), "+f"(d0[14]), "+f"(d0[15]), "+f"(d0[16]), "+f"(d0[17]), "+f"(d0[18]), "+f"(d0[19]), "+f"(d0[20]), "+f"(d0[21]), "+f"(d0[22]), "+f"(d0[23]), "+f"(d0[24]), "+f"(d0[25]), "+f"(d0[26]), "+f"(d0[27]), "+f"(d0[28]), "+f"(d0[29]), "+f"(d0[30]), "+f"(d0[31]), "+f"(d0[32]), "+f"(d0[33]), "+f"(d0[34]), "+f"(d0[35]), "+f"(d0[36]), "+f"(d0[37]), "+f"(d0[38]), "+f"(d0[39]), "+f"(d0[40]), "+f"(d0[41]), "+f"(d0[42]), "+f"(d0[43]), "+f"(d0[44]), "+f"(d0[45]), "+f"(d0[46]), "+f"(d0[47]), "+f"(d0[48]), "+f"(d0[49]), "+f"(d0[50]), "+f"(d0[51]), "+f"(d0[52]), "+f"(d0[53]), "+f"(d0[54]), "+f"(d0[55]), "+f"(d0[56]), "+f"(d0[57]), "+f"(d0[58]), "+f"(d0[59]), "+f"(d0[60]), "+f"(d0[61]), "+f"(d0[62]), "+f"(d0[63]), "+f"(d1[0]), "+f"(d1[1]), "+f"(d1[2]), "+f"(d1[3]), "+f"(d1[4]), "+f"(d1[5]), "+f"(d1[6]), "+f"(d1[7]), "+f"(d1[8]), "+f"(d1[9]), "+f"(d1[10]), "+f"(d1[11]), "+f"(d1[12]), "+f"(d1[13]), "+f"(d1[14]), "+f"(d1[15]), "+f"(d1[16]), "+f"(d1[17]), "+f"(d1[18]), "+f"(d1[19]), "+f"(d1[20]), "+f"(d1[21]), "+f"(d1[22]), "+f"(d1[23]), "+f"(d1[24]), "+f"(d1[25]), "+f"(d1[26]), "+f"(d1[27]), "+f"(d1[28]), "+f"(d1[29]), "+f"(d1[30]), "+f"(d1[31]), "+f"(d1[32]), "+f"(d1[33]), "+f"(d1[34]), "+f"(d1[35]), "+f"(d1[36]), "+f"(d1[37]), "+f"(d1[38]), "+f"(d1[39]), "+f"(d1[40]), "+f"(d1[41]), "+f"(d1[42]), "+f"(d1[43]), "+f"(d1[44]), "+f"(d1[45]), "+f"(d1[46]), "+f"(d1[47]), "+f"(d1[48]), "+f"(d1[49]), "+f"(d1[50]), "+f"(d1[51]), "+f"(d1[52]), "+f"(d1[53]), "+f"(d1[54]), "+f"(d1[55]), "+f"(d1[56]), "+f"(d1[57]), "+f"(d1[58]), "+f"(d1[59]), "+f"(d1[60]), "+f"(d1[61]), "+f"(d1[62]), "+f"(d1[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k32_e4m3(float (&d0)[64], float (&d1)[64], uint64_t desc_a, uint64_t desc_b,
+                                       int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d0[0]), "+f"(d0[1]), "+f"(d0[2]), "+f"(d0[3]), "+f"(d0[4]), "+f"(d0[5]), "+f"(d0[6]), "+f"(d0[7]), "+f"(d0[8]), "+f"(d0[9]), "+f"(d0[10]), "+f"(d0[11]), "+f"(d0[12]), "+f"(d0[13]), "+f"(d0[14]), "+f"(d0[15]), "+f"(d0[16]), "+f"(d0[17]), "+f"(d0[18]), "+f"(d0[19]), "+f"(d0[20]), "+f"(d0[21]), "+f"(d0[22]), "+f"(d0[23]), "+f"(d0[24]), "+f"(d0[25]), "+f"(d0[26]), "+f"(d0[27]), "+f"(d0[28]), "+f"(d0[29]), "+f"(d0[30]), "+f"(d0[31]), "+f"(d0[32]), "+f"(d0[33]), "+f"(d0[34]), "+f"(d0[35]), "+f"(d0[36]), "+f"(d0[37]), "+f"(d0[38]), "+f"(d0[39]), "+f"(d0[40]), "+f"(d0[41]), "+f"(d0[42]), "+f"(d0[43]), "+f"(d0[44]), "+f"(d0[45]), "+f"(d0[46]), "+f"(d0[47]), "+f"(d0[48]), "+f"(d0[49]), "+f"(d0[50]), "+f"(d0[51]), "+f"(d0[52]), "+f"(d0[53]), "+f"(d0[54]), "+f"(d0[55]), "+f"(d0[56]), "+f"(d0[57]), "+f"(d0[58]), "+f"(d0[59]), "+f"(d0[60]), "+f"(d0[61]), "+f"(d0[62]), "+f"(d0[63]), "+f"(d1[0]), "+f"(d1[1]), "+f"(d1[2]), "+f"(d1[3]), "+f"(d1[4]), "+f"(d1[5]), "+f"(d1[6]), "+f"(d1[7]), "+f"(d1[8]), "+f"(d1[9]), "+f"(d1[10]), "+f"(d1[11]), "+f"(d1[12]), "+f"(d1[13]), "+f"(d1[14]), "+f"(d1[15]), "+f"(d1[16]), "+f"(d1[17]), "+f"(d1[18]), "+f"(d1[19]), "+f"(d1[20]), "+f"(d1[21]), "+f"(d1[22]), "+f"(d1[23]), "+f"(d1[24]), "+f"(d1[25]), "+f"(d1[26]), "+f"(d1[27]), "+f"(d1[28]), "+f"(d1[29]), "+f"(d1[30]), "+f"(d1[31]), "+f"(d1[32]), "+f"(d1[33]), "+f"(d1[34]), "+f"(d1[35]), "+f"(d1[36]), "+f"(d1[37]), "+f"(d1[38]), "+f"(d1[39]), "+f"(d1[40]), "+f"(d1[41]), "+f"(d1[42]), "+f"(d1[43]), "+f"(d1[44]), "+f"(d1[45]), "+f"(d1[46]), "+f"(d1[47]), "+f"(d1[48]), "+f"(d1[49]), "+f"(d1[50]), "+f"(d1[51]), "+f"(d1[52]), "+f"(d1[53]), "+f"(d1[54]), "+f"(d1[55]), "+f"(d1[56]), "+f"(d1[57]), "+f"(d1[58]), "+f"(d1[59]), "+f"(d1[60]), "+f"(d1[61]), "+f"(d1[62]), "+f"(d1[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
@@ -205,79 +237,6 @@ __device__ __forceinline__ void consume_n192(const Problem& p, const uint8_t* sm
   }
 }
 
-// coop128 pp: both consumers on one 128 x 128 tile, consumer cw its 64 rows,
-// the promotion one k-block behind: k-block kb's wgmmas go into one of two
-// temporaries, then the wait for all but that group, and the previous
-// k-block's temporary is promoted while kb's run, so this consumer's own
-// wgmmas keep the tensor pipe fed through its promotion (the recipe loops
-// above wait for everything first). Accumulator 64 + temporaries 2 x 64
-// registers; a stage is released as soon as its group is done.
-template <int kStages>
-__device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_t* smem, uint64_t* full,
-                                                  uint64_t* empty, int tiles, int k_blocks, int cw) {
-  constexpr int kStageBytes = 2 * kTileBytesA;  // A 128 rows + B 128 rows
-  const bool leader = (threadIdx.x & 31) == 0;
-  float acc[64], tmp0[64], tmp1[64];
-  int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const TileCoord c = tile_of<128>(p, t);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    const int row0 = c.m * 128 + 64 * cw + acc_row(0);  // this thread's rows: row0, row0 + 8
-    const float* b_col = p.b_scales + static_cast<int64_t>((c.e * p.n + c.n * 128) / 128) * k_blocks;
-    // Issue k-block kb into cur (its scale products into s_cur); the stage is waited for here.
-    auto issue = [&](int kb, float(&cur)[64], float(&s_cur)[2]) {
-      const float* a_col = p.a_scales + static_cast<int64_t>(kb) * p.experts * p.m_per_expert;
-      const float b_s = __ldg(b_col + kb);
-      s_cur[0] = __ldg(a_col + row0) * b_s, s_cur[1] = __ldg(a_col + row0 + 8) * b_s;
-      const int slot = it % kStages;
-      spin_wait(&full[slot], (it / kStages) & 1);
-      const uint8_t* sa = smem + slot * kStageBytes + cw * kBoxBytes;
-      const uint8_t* sb = smem + slot * kStageBytes + kTileBytesA;
-      issue_fresh_kblock(cur, sa, sb);
-      ++it;
-    };
-    // prev's group is done (the caller waited): release its stage (the one before the newest) and promote it.
-    auto promote = [&](float(&prev)[64], const float(&s)[2], int stage_it) {
-      fence_accumulators(prev);
-      if (leader) mbar_arrive(&empty[stage_it % kStages]);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] += prev[i] * s[(i >> 1) & 1];
-    };
-    // The first k-block is peeled, so that at the loop's head exactly one
-    // group is in flight (tmp0's) on every path: ptxas can then see that
-    // wait<1> retires the temporary that is read next (with a kb > 0 test
-    // inside the loop it serialised the wgmmas, C7514).
-    float s0[2], s1[2];
-    issue(0, tmp0, s0);
-    int kb = 1;
-    for (; kb + 1 < k_blocks; kb += 2) {
-      issue(kb, tmp1, s1);
-      wgmma_wait<1>();
-      promote(tmp0, s0, it - 2);
-      issue(kb + 1, tmp0, s0);
-      wgmma_wait<1>();
-      promote(tmp1, s1, it - 2);
-    }
-    if (kb < k_blocks) {  // one more: tmp1
-      issue(kb, tmp1, s1);
-      wgmma_wait<1>();
-      promote(tmp0, s0, it - 2);
-      wgmma_wait<0>();
-      promote(tmp1, s1, it - 1);
-    } else {
-      wgmma_wait<0>();
-      promote(tmp0, s0, it - 1);
-    }
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int64_t row = c.m * 128 + 64 * cw + acc_row(i);
-      *reinterpret_cast<__nv_bfloat162*>(p.d + row * p.n + c.n * 128 + acc_col(i)) =
-          __floats2bfloat162_rn(acc[i], acc[i + 1]);
-    }
-  }
-}
-
 // kSplit: consumer c owns the CTA's tiles j with j % 2 == c (128 x 128, rows in
 // two halves) and ring c (kStages / 2 stages); else both share every tile
 // and one ring of kStages (64 rows each: kBN 256, two 128-column halves;
@@ -288,21 +247,23 @@ __device__ __forceinline__ void consume_pipelined(const Problem& p, const uint8_
 // a k-block from L2 instead of 32; a stage's empty barrier then waits for
 // both CTAs' consumers (4 local + 4 remote warp arrivals). Pair::kShareB:
 // tiles 2u, 2u + 1 (rows m and m + 1 of one expert, one column tile: the
-// same weight tile; what SonicMoE's clusters share). Pair::kShareA: column
-// tiles n and n + 1 of one row tile (the engine's bf16 kWeightGrad pairs).
+// same weight tile; what SonicMoE's clusters share).
 // kBf16: the same loop in bf16 (the control: A and B hold the same values as
 // bf16, a k-block is 64 elements, the same 128-byte box rows and stage bytes,
 // four m64n128k16 wgmmas a half; no promotion in bf16).
+// kN256 (coop256, no promotion): each k-step one m64n256 wgmma over the
+// consumer's 64 rows instead of one per 128-column half.
 template <int kBN, bool kSplit, int kStages, Promo kPromo = Promo::kRecipe, Pair kPairing = Pair::kNone,
-          bool kBf16 = false>
+          bool kBf16 = false, bool kN256 = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ Problem p) {
   constexpr bool kPair = kPairing != Pair::kNone;
   static_assert(!kSplit || kBN == 128, "split: 128 x 128 tiles");
-  static_assert(!kPair || (kSplit && kPromo != Promo::kPipelined), "pairs: split rings");
+  static_assert(!kPair || kSplit, "pairs: split rings");
   static_assert(!kBf16 || ((kPromo == Promo::kNoneWait0 || kPromo == Promo::kNoneWait1) && kBN != 192),
                 "bf16: the loops without promotion, 128 or 256 columns");
+  static_assert(!kN256 || (kBN == 256 && !kSplit && kPromo == Promo::kNoneWait1), "n256: coop256 without promotion");
   constexpr int kStageBytes = kTileBytesA + kBN * 128;
   constexpr int kRings = kSplit ? 2 : 1, R = kStages / kRings;
   extern __shared__ uint8_t smem_raw[];
@@ -330,11 +291,6 @@ __global__ void __launch_bounds__(384, 1)
   const int unit_count = kPair ? tiles / 2 : tiles;
   auto tile_index = [&](int u) {
     if constexpr (kPairing == Pair::kShareB) return 2 * u + static_cast<int>(rank);
-    if constexpr (kPairing == Pair::kShareA) {  // tile_of's order: expert, then n, then m
-      const int mt = p.m_per_expert / 128, per_expert = mt * (p.n / kBN) / 2;
-      const int r = u % per_expert, n = 2 * (r / mt) + static_cast<int>(rank);
-      return (u / per_expert) * 2 * per_expert + n * mt + r % mt;
-    }
     return u;
   };
   const int wg = threadIdx.x / 128;
@@ -362,7 +318,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         };
         for (int b = 0; b < 2; ++b)
-          load(&map_a, stage + b * kBoxBytes, c.m * 128 + 64 * b, b, kPairing == Pair::kShareA);
+          load(&map_a, stage + b * kBoxBytes, c.m * 128 + 64 * b, b, false);
         for (int b = 0; b < kBN / 64; ++b)
           load(&map_b, stage + kTileBytesA + b * kBoxBytes, c.e * p.n + c.n * kBN + 64 * b, b,
                kPairing == Pair::kShareB);
@@ -377,10 +333,7 @@ __global__ void __launch_bounds__(384, 1)
   }
   setmaxnreg_inc<232>();
   const int cw = wg - 1;
-  if constexpr (kPromo == Promo::kPipelined) {
-    static_assert(kBN == 128 && !kSplit, "pipelined promotion: coop128");
-    consume_pipelined<kStages>(p, smem, full, empty, tiles, k_blocks, cw);
-  } else if constexpr (kBN == 192) {
+  if constexpr (kBN == 192) {
     consume_n192<kStages, kPromo>(p, smem, full, empty, tiles, k_blocks, cw);
   } else {
     const bool leader = (threadIdx.x & 31) == 0;
@@ -415,7 +368,17 @@ __global__ void __launch_bounds__(384, 1)
           fence_accumulators(acc[1]);
           wgmma_fence();
 #pragma unroll
-          for (int x = 0; x < kHalves; ++x) {
+          for (int kk = 0; kN256 && kk < 4; ++kk) {  // B's 256 rows lie contiguous in the stage: one descriptor
+            const uint64_t da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
+            const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+            if constexpr (kBf16) {
+              wgmma_m64n256k16_bf16(acc[0], acc[1], da, db, 1);
+            } else {
+              wgmma_m64n256k32_e4m3(acc[0], acc[1], da, db, 1);
+            }
+          }
+#pragma unroll
+          for (int x = 0; !kN256 && x < kHalves; ++x) {
             const uint8_t* a = sa + (kSplit ? x : cw) * kBoxBytes;
             const uint8_t* b = sb + (kSplit ? 0 : x) * 128 * 128;
 #pragma unroll
@@ -507,19 +470,19 @@ const Variant kVariants[] = {
     {"split 4 pair nopromo w0", 128, 4, false, probe_kernel<128, true, 4, Promo::kNoneWait0, Pair::kShareB>, true},
     {"split 6", 128, 6, true, probe_kernel<128, true, 6>},  // rings of 3: room for the pair's skew
     {"split 6 pair", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, Pair::kShareB>, true},
-    {"split 6 pairA", 128, 6, true, probe_kernel<128, true, 6, Promo::kRecipe, Pair::kShareA>, true},
     // The bf16 control: is the loop bound by L2 (bf16 moves twice the bytes a FLOP)?
     {"bf16 split 6 w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kNone, true>, false, true},
     {"bf16 split 6 pair w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kShareB, true>, true,
      true},
-    {"bf16 split 6 pairA w1", 128, 6, false, probe_kernel<128, true, 6, Promo::kNoneWait1, Pair::kShareA, true>, true,
-     true},
     {"bf16 coop256 4 w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1, Pair::kNone, true>, false,
      true},
+    {"bf16 coop256 4 n256 w1", 256, 4, false,
+     probe_kernel<256, false, 4, Promo::kNoneWait1, Pair::kNone, true, true>, false, true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
+    {"coop256 4 nopromo n256 w1", 256, 4, false,
+     probe_kernel<256, false, 4, Promo::kNoneWait1, Pair::kNone, false, true>},
     {"coop128 6", 128, 6, true, probe_kernel<128, false, 6>},
-    {"coop128 6 pp", 128, 6, true, probe_kernel<128, false, 6, Promo::kPipelined>},
     {"coop128 6 nopromo w1", 128, 6, false, probe_kernel<128, false, 6, Promo::kNoneWait1>},
     {"coop192 5", 192, 5, true, probe_kernel<192, false, 5>},
     {"coop192 5 nopromo w1", 192, 5, false, probe_kernel<192, false, 5, Promo::kNoneWait1>},
