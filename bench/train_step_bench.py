@@ -8,6 +8,11 @@ process (this script with --child), built and stepped by megamoe.train
   mega_moe            megamoe's experts (use_megamoe_experts)
   mega_moe_fp8        the same with precision "fp8" (opt-in; CUDA runs the FP8 layer)
   mega_moe_fp8_bwd    the same with precision "fp8_bwd" (opt-in)
+  mega_moe_compile    megamoe's experts, every decoder layer under torch.compile as
+                      grouped_mm_compile's (megamoe's ops opaque inside the graph)
+  mega_moe_fp8_compile  the same with precision "fp8" (under torch.compile the FP8
+                      weights are quantised in every forward and again in the backward:
+                      the per-step cache cannot be traced)
   grouped_mm          transformers' grouped_mm experts implementation, eager
   grouped_mm_compile  the same, every decoder layer under torch.compile (regional
                       compilation: one compiled graph reused by all layers)
@@ -45,8 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from megamoe import train  # noqa: E402
 from child_runs import ChildRuns, finish_child  # noqa: E402  (bench/ is on sys.path when this script runs)
 
-DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager", "mega_moe_fp8", "mega_moe_fp8_bwd")
-PRECISION_OF = {"mega_moe_fp8": "fp8", "mega_moe_fp8_bwd": "fp8_bwd"}  # megamoe dispatch rows in FP8
+DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile", "eager", "mega_moe_fp8", "mega_moe_fp8_bwd",
+              "mega_moe_compile", "mega_moe_fp8_compile")
+# megamoe dispatch rows in FP8
+PRECISION_OF = {"mega_moe_fp8": "fp8", "mega_moe_fp8_bwd": "fp8_bwd", "mega_moe_fp8_compile": "fp8"}
+# The trainer's dispatch of each row (the rest are their own); rows ending in _compile compile every decoder layer.
+TRAINER_DISPATCH = {"grouped_mm_compile": "grouped_mm", "mega_moe_fp8": "mega_moe", "mega_moe_fp8_bwd": "mega_moe",
+                    "mega_moe_compile": "mega_moe", "mega_moe_fp8_compile": "mega_moe"}
 DEFAULT_DISPATCHES = ("mega_moe", "grouped_mm", "grouped_mm_compile")
 LOSS_FLAG = 2e-2  # relative difference of the first step's loss vs grouped_mm that fails the run
 GIB = float(1 << 30)
@@ -94,12 +104,11 @@ def run_child(args) -> dict:
                                 batch_size=args.batch, seq_len=args.seq, lr=args.lr, device=args.device,
                                 dtype="bfloat16" if cuda else "float32", activation_checkpointing=ckpt,
                                 seed=args.seed, precision=PRECISION_OF.get(dispatch, "bf16"),
-                                dispatch={"grouped_mm_compile": "grouped_mm", "mega_moe_fp8": "mega_moe",
-                                          "mega_moe_fp8_bwd": "mega_moe"}.get(dispatch, dispatch))
+                                dispatch=TRAINER_DISPATCH.get(dispatch, dispatch))
         train.validate(cfg)
         phase = "build"
         model = train.build_model(cfg, device)
-        if dispatch == "grouped_mm_compile":
+        if dispatch.endswith("_compile"):
             for layer in decoder_layers(model):
                 layer.compile()
         data = train.load_data(cfg)
@@ -254,16 +263,17 @@ def report(args, results: list[dict]) -> list[str]:
                 parts.append(f"step {(b['step_ms'] - a['step_ms']) / (hi - lo):.1f} ms")
                 print(f"  ckpt {c:<3} {d:<19} " + "  ".join(parts))
 
-    # mega_moe over each grouped_mm row, and the loss check.
+    # mega_moe (eager and compiled decoder layers) over each grouped_mm row, and the loss check.
     print("\nmega_moe / baseline (step time, alloc, drv; < 1 = mega_moe smaller):")
     for L in args.layers:
         for c in args.ckpt:
-            m = ok.get((L, c == "on", "mega_moe"))
             ref = ok.get((L, c == "on", "grouped_mm"))
-            for d in ("grouped_mm", "grouped_mm_compile"):
-                g = ok.get((L, c == "on", d))
-                if m and g:
-                    print(f"  layers {L:<3} ckpt {c:<3} vs {d:<19} " + "  ".join(ratios(m, g)))
+            for md in ("mega_moe", "mega_moe_compile"):
+                m = ok.get((L, c == "on", md))
+                for d in ("grouped_mm", "grouped_mm_compile"):
+                    g = ok.get((L, c == "on", d))
+                    if m and g:
+                        print(f"  layers {L:<3} ckpt {c:<3} {md:<16} vs {d:<19} " + "  ".join(ratios(m, g)))
             if ref:
                 for d in args.dispatch:
                     r = ok.get((L, c == "on", d))
@@ -273,16 +283,16 @@ def report(args, results: list[dict]) -> list[str]:
                         if diff > LOSS_FLAG:
                             fails.append(f"layers {L} ckpt {c} {d}: first loss {r['losses'][0]:.5f} vs grouped_mm "
                                          f"{ref['losses'][0]:.5f} (rel. diff {diff:.2e} > {LOSS_FLAG:g})")
-    # The FP8 rows over megamoe's bf16 row.
+    # The FP8 rows over megamoe's bf16 row (compiled over compiled).
     for L in args.layers:
         for c in args.ckpt:
-            b16 = ok.get((L, c == "on", "mega_moe"))
             for d in PRECISION_OF:
+                b16 = ok.get((L, c == "on", "mega_moe_compile" if d.endswith("_compile") else "mega_moe"))
                 f8 = ok.get((L, c == "on", d))
                 if b16 and f8:
                     parts = ratios(f8, b16)
                     parts[0] += f" (speed-up {b16['step_ms'] / f8['step_ms']:.2f}x)"
-                    print(f"  layers {L:<3} ckpt {c:<3} {d} vs mega_moe (bf16): " + "  ".join(parts))
+                    print(f"  layers {L:<3} ckpt {c:<3} {d} vs its bf16 row: " + "  ".join(parts))
     diffs = [r["first_loss_rel_diff_vs_grouped_mm"] for r in ok.values() if "first_loss_rel_diff_vs_grouped_mm" in r]
     if diffs:
         print(f"\nlargest relative difference of the first step's loss vs grouped_mm: {max(diffs):.2e} "
