@@ -8,14 +8,14 @@ process (this script with --child), built and stepped by megamoe.train
   mega_moe            megamoe's experts (use_megamoe_experts)
   mega_moe_fp8        the same with precision "fp8" (opt-in; CUDA runs the FP8 layer)
   mega_moe_fp8_bwd    the same with precision "fp8_bwd" (opt-in)
-  mega_moe_compile    megamoe's experts, every decoder layer under torch.compile as
-                      grouped_mm_compile's (megamoe's ops opaque inside the graph)
+  mega_moe_compile    megamoe's experts, every decoder layer under torch.compile
+                      (trainer.compile; megamoe's ops opaque inside the graph)
   mega_moe_fp8_compile  the same with precision "fp8" (under torch.compile the FP8
                       weights are quantised in every forward and again in the backward:
                       the per-step cache cannot be traced)
   grouped_mm          transformers' grouped_mm experts implementation, eager
-  grouped_mm_compile  the same, every decoder layer under torch.compile (regional
-                      compilation: one compiled graph reused by all layers)
+  grouped_mm_compile  the same, every decoder layer under torch.compile (the trainer's
+                      trainer.compile: one compiled graph reused by all layers)
   eager               transformers' per-expert loop (slow; opt-in)
 
 Per row: median step ms, tokens/s, torch.cuda.max_memory_allocated, device
@@ -66,14 +66,6 @@ def log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise RuntimeError("no model.model.layers to compile")
-    return list(layers)
-
-
 # ------------------------------------------------------------------ child
 
 
@@ -103,14 +95,12 @@ def run_child(args) -> dict:
         cfg = train.TrainConfig(preset=args.preset, num_layers=layers, steps=args.warmup + args.steps,
                                 batch_size=args.batch, seq_len=args.seq, lr=args.lr, device=args.device,
                                 dtype="bfloat16" if cuda else "float32", activation_checkpointing=ckpt,
+                                compile=dispatch.endswith("_compile"),
                                 seed=args.seed, precision=PRECISION_OF.get(dispatch, "bf16"),
                                 dispatch=TRAINER_DISPATCH.get(dispatch, dispatch))
         train.validate(cfg)
         phase = "build"
         model = train.build_model(cfg, device)
-        if dispatch.endswith("_compile"):
-            for layer in decoder_layers(model):
-                layer.compile()
         data = train.load_data(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         it = train.batches(data, cfg, device)

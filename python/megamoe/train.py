@@ -57,6 +57,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    compile: bool = False
     seed: int = 0
     dispatch: str = "mega_moe"
     precision: str = "bf16"
@@ -101,6 +102,8 @@ KEYS = (
     Key("trainer", "dtype", "dtype", str, "model dtype (CUDA mega_moe needs bfloat16)",
         choices=("float32", "bfloat16")),
     Key("trainer", "activation_checkpointing", "activation_checkpointing", bool, "recompute layers in the backward"),
+    Key("trainer", "compile", "compile", bool,
+        "torch.compile every decoder layer (one graph for all; megamoe's ops opaque in it)"),
     Key("trainer", "seed", "seed", int, "weights and batches", minimum=0),
     Key("trainer", "log_every", "log_every", int, "print every N steps (and the last)", minimum=1),
     Key("trainer.model.moe.dispatch", "type", "dispatch", str, "MoE experts implementation", choices=DISPATCH_TYPES),
@@ -223,6 +226,10 @@ def validate(cfg: TrainConfig) -> None:
                               "on Hopper it exists only as a CPU emulation")
         if cfg.dtype != "bfloat16":
             raise ConfigError("trainer.dtype must be 'bfloat16' for dispatch type 'mega_moe' on CUDA")
+    if cfg.compile and cfg.ep > 1:
+        raise ConfigError(f"trainer.compile = true with trainer.model.moe.dispatch.ep = {cfg.ep} is not supported "
+                          "yet: the expert-parallel layer runs outside torch.compile's graphs (megamoe.ep, a graph "
+                          "break in every layer) and has not been run compiled under DDP; set compile = false")
     if cfg.ep > 1:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if cfg.dispatch != "mega_moe" or device.type != "cuda":
@@ -292,6 +299,9 @@ def build_model(cfg: TrainConfig, device: torch.device, ep_group=None):
                             max_tokens=per_rank)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:  # regional: the layers share one compiled graph (compiled at the first step)
+        for layer in model.model.layers:
+            layer.compile()
     return model
 
 
@@ -355,8 +365,11 @@ def train(cfg: TrainConfig, out=None) -> list[dict]:
     history = []
     tokens = cfg.batch_size * cfg.seq_len // world  # this rank's share of the step
     print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({_numerics(cfg)}), "
-          f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}",
-          file=out)
+          f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}"
+          + (", decoder layers compiled" if cfg.compile else ""), file=out)
+    if cfg.compile and cfg.dispatch == "mega_moe" and cfg.precision in ("fp8", "fp8_bwd") and device.type == "cuda":
+        print("megamoe.train: note: under trainer.compile the FP8 weights are quantised in every forward and "
+              "backward, not once per optimizer step (the weight cache cannot be traced)", file=out)
     for step in range(1, cfg.steps + 1):
         inputs, labels = next(it)
         if device.type == "cuda":

@@ -203,3 +203,23 @@ def test_cuda_fp8_training_tracks_bf16(tmp_path):
         assert all(math.isfinite(v) for v in losses), runs
         assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, runs
         assert abs(losses[-1] - bf16[-1]) <= 0.1 * abs(bf16[-1]), runs
+
+
+def test_compiled_trainer_follows_the_eager_one(tmp_path):
+    # trainer.compile: every decoder layer under torch.compile (megamoe's ops opaque in the
+    # graph); the same losses as the eager layers on the same weights and data.
+    runs = {}
+    for compiled in (False, True):
+        cfg = train.load_config(write(tmp_path, TINY.format(dispatch="mega_moe", precision="bf16")))
+        cfg.steps, cfg.compile = 2, compiled
+        runs[compiled] = [h["loss"] for h in train.train(cfg)]
+    for a, b in zip(runs[True], runs[False]):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(b)), runs
+
+
+def test_compile_with_expert_parallelism_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    text = TINY.format(dispatch="mega_moe", precision="bf16").replace(
+        "[trainer.model.moe.dispatch]", "compile = true\n[trainer.model.moe.dispatch]\nep = 2")
+    with pytest.raises(train.ConfigError, match="trainer.compile = true with trainer.model.moe.dispatch.ep = 2"):
+        train.load_config(write(tmp_path, text))
