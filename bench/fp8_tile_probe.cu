@@ -478,6 +478,11 @@ const Variant kVariants[] = {
      true},
     {"bf16 coop256 4 n256 w1", 256, 4, false,
      probe_kernel<256, false, 4, Promo::kNoneWait1, Pair::kNone, true, true>, false, true},
+    // Three 48 KB stages leave room for the engine's staging tiles (session 18's wide tiles had three).
+    {"bf16 coop256 3 w1", 256, 3, false, probe_kernel<256, false, 3, Promo::kNoneWait1, Pair::kNone, true>, false,
+     true},
+    {"bf16 coop256 3 n256 w1", 256, 3, false,
+     probe_kernel<256, false, 3, Promo::kNoneWait1, Pair::kNone, true, true>, false, true},
     {"coop256 4", 256, 4, true, probe_kernel<256, false, 4>},
     {"coop256 4 nopromo w1", 256, 4, false, probe_kernel<256, false, 4, Promo::kNoneWait1>},
     {"coop256 4 nopromo n256 w1", 256, 4, false,
