@@ -309,19 +309,17 @@ __global__ void __launch_bounds__(384, 1)
           spin_wait(&empty[slot], ((it / R) - 1) & 1);
         mbar_arrive_expect_tx(&full[slot], kStageBytes);
         uint8_t* stage = smem + slot * kStageBytes;
-        // Box b of an operand: this CTA's own, or (the pair's shared operand) box `rank` into both CTAs.
-        auto load = [&](const CUtensorMap* map, uint8_t* dst, int row, int b, bool shared) {
-          if (!shared) {
-            tma_load_2d(dst, map, &full[slot], kb * kKBlock, row);
+        for (int b = 0; b < 2; ++b)  // A: this CTA's own row tile
+          tma_load_2d(stage + b * kBoxBytes, &map_a, &full[slot], kb * kKBlock, c.m * 128 + 64 * b);
+        for (int b = 0; b < kBN / 64; ++b) {  // B: its own, or (a pair) box `rank` of the shared tile into both CTAs
+          uint8_t* dst = stage + kTileBytesA + b * kBoxBytes;
+          const int row = c.e * p.n + c.n * kBN + 64 * b;
+          if constexpr (!kPair) {
+            tma_load_2d(dst, &map_b, &full[slot], kb * kKBlock, row);
           } else if (b == static_cast<int>(rank)) {
-            tma_load_2d_multicast(dst, map, &full[slot], kb * kKBlock, row, 0b11);
+            tma_load_2d_multicast(dst, &map_b, &full[slot], kb * kKBlock, row, 0b11);
           }
-        };
-        for (int b = 0; b < 2; ++b)
-          load(&map_a, stage + b * kBoxBytes, c.m * 128 + 64 * b, b, false);
-        for (int b = 0; b < kBN / 64; ++b)
-          load(&map_b, stage + kTileBytesA + b * kBoxBytes, c.e * p.n + c.n * kBN + 64 * b, b,
-               kPairing == Pair::kShareB);
+        }
       }
     }
     // A pair: stay until both CTAs' consumers have released every stage of
