@@ -5,7 +5,8 @@
 // read holds the iteration it expects (never an older or newer load), and the
 // CTA always finishes (no deadlock). The model without order barriers must
 // fail the first check: the test can fail. The same for the FP8 kernels'
-// split rings (one ring per consumer).
+// split rings (one ring per consumer), and for wide kGateUp tiles (both
+// consumers on every stage, each stage freed by both).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -56,6 +57,10 @@ template <int S>
 struct Cta {
   std::vector<TileWork> tiles;
   bool use_order = true;
+  // Wide kGateUp tiles (grouped_gemm.cu's kWide): both consumers read every
+  // stage of every tile, no order barriers, and a stage's empty barrier
+  // counts both consumers (one arrival each here: the kernel's 4 + 4 warps).
+  bool wide = false;
   Barrier full[S], empty[S], order[2];
   int64_t content[S];  // the iteration whose data the stage holds (-1: none)
   std::vector<std::pair<int, uint32_t>> in_flight;  // loads issued, not yet landed: (stage, iteration)
@@ -108,14 +113,15 @@ struct Cta {
   bool consumer_step(int cw) {
     Consumer& me = c[cw];
     // Skip the other consumer's tiles (the kernel walks them to keep `it` in step).
-    while (me.tile < tiles.size() && static_cast<int>(me.tile & 1) != cw) {
+    while (!wide && me.tile < tiles.size() && static_cast<int>(me.tile & 1) != cw) {
       me.ps.advance(static_cast<uint32_t>(tiles[me.tile].k_blocks));
       ++me.tile;
     }
     if (me.tile >= tiles.size()) return false;
     const TileWork& t = tiles[me.tile];
     if (me.step == -1) {
-      if (use_order && order_must_wait(cw, me.mine) && !order[cw].try_wait(order_parity(cw, me.mine))) return false;
+      if (!wide && use_order && order_must_wait(cw, me.mine) && !order[cw].try_wait(order_parity(cw, me.mine)))
+        return false;
       ++me.mine;
       me.step = 0;
       return true;
@@ -129,7 +135,7 @@ struct Cta {
       return true;
     }
     // Epilogue: let the other consumer start its main loop, next tile.
-    order[cw ^ 1].arrive();
+    if (!wide) order[cw ^ 1].arrive();
     me.step = -1;
     ++me.tile;
     return true;
@@ -196,6 +202,24 @@ bool some_interleaving_violates(Spoil spoil) {
 TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_model<Cta<4>, 4>(); }
 TEST(PipelineProtocol, FiveStagesEveryReadSeesItsOwnLoad) { check_model<Cta<5>, 5>(); }
 TEST(PipelineProtocol, SixStagesEveryReadSeesItsOwnLoad) { check_model<Cta<6>, 6>(); }
+
+// Wide kGateUp tiles: 4 stages (kWideStages), each freed by both consumers.
+template <int S>
+struct WideCta : Cta<S> {
+  WideCta() {
+    this->wide = true;
+    for (Barrier& e : this->empty) e.count = 2;
+  }
+};
+TEST(PipelineProtocol, WideTilesEveryReadSeesItsOwnLoad) { check_model<WideCta<4>, 4>(); }
+
+// A stage freed by the first consumer to finish with it is refilled while the
+// other may not have read it yet: the model must catch that.
+TEST(PipelineProtocol, WideTilesFreedByOneConsumerAStaleReadIsFound) {
+  EXPECT_TRUE((some_interleaving_violates<WideCta<4>, 4>([](WideCta<4>& cta) {
+    for (Barrier& e : cta.empty) e.count = 1;
+  })));
+}
 
 // Without the order barriers a consumer can poll a stage two phases ahead and
 // read an older load: the model must catch it on some interleaving.

@@ -340,6 +340,50 @@ TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
   EXPECT_EQ(z2g, zg);
 }
 
+// bf16 kGateUp in 128 x 256 tiles (the default where I % 128 == 0, as here)
+// against the 128 x 128 tiles (narrow_gate_up): z and a bit for bit, with
+// and without the a output. The wide tiles' two consumers share each stage
+// and each computes 64 rows x 256 columns by one m64n256k16 a k-step; the
+// narrow ones take turns, each 128 rows x 128 columns by two m64n128k16.
+TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
+  ASSERT_EQ(I % 128, 0) << "the wide tiles need I % 128 == 0";
+  Mat x, w13, z, a;
+  random_pool(x, H, 5);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
+  z.make(C, 2 * I);
+  a.make(C, I);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  run(g);
+  const auto z_wide = z.download(), a_wide = a.download();
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
+  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
+  g.narrow_gate_up = true;
+  run(g);
+  auto used = [&](const std::vector<float>& v, int64_t cols) {
+    return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
+  };
+  const auto z_narrow = z.download(), a_narrow = a.download();
+  int64_t z_differ = 0, a_differ = 0;
+  for (int64_t i = 0; i < pool_rows * 2 * I; ++i) z_differ += std::memcmp(&z_wide[i], &z_narrow[i], 4) != 0;
+  for (int64_t i = 0; i < pool_rows * I; ++i) a_differ += std::memcmp(&a_wide[i], &a_narrow[i], 4) != 0;
+  EXPECT_EQ(z_differ, 0) << "z elements that differ";
+  EXPECT_EQ(a_differ, 0) << "a elements that differ";
+  // z alone (a not asked for): the wide tiles write the same z and leave a as it was.
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
+  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
+  const auto a_before = a.download();
+  g.narrow_gate_up = false, g.out1 = nullptr;
+  run(g);
+  EXPECT_EQ(used(z.download(), 2 * I), used(z_wide, 2 * I));
+  const auto a_after = a.download();
+  EXPECT_EQ(std::memcmp(a_after.data(), a_before.data(), a_before.size() * sizeof(float)), 0)
+      << "a written without out1";
+}
+
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
@@ -1188,6 +1232,28 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
   expect_slots_match(slots, ref, /*weighted=*/true);
+}
+
+// The same for wide kGateUp tiles (both consumers on every stage): the
+// producer stops, both consumers' full waits give up, one reports.
+TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
+  Mat x, w13, z, a;
+  random_pool(x, H, 1);
+  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
+  z.make(C, 2 * I);
+  a.make(C, I);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  const int64_t tiles = pool_rows / 128 * (I / 128), k_blocks = H / 64;
+  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
+  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kGateUp,", "block ", "full barrier", "phase " + std::to_string(stall) + " ",
+                         "gave up"});
 }
 
 // The same on split rings (the FP8 kernels: a ring per consumer, a producer

@@ -41,6 +41,10 @@ inline constexpr int kBoxBytes = kBox * kBox * sizeof(Elem);  // one 128B-swizzl
 inline constexpr int kTileBytesA = kBlockM * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kTileBytesB = kBlockN * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+// kGateUp in 128 x 256 tiles (the kernel's kWide; bf16): a stage holds A's
+// 128 rows and 256 rows of B (128 gate, then the matching 128 up rows).
+template <bool kWide>
+inline constexpr int kStageBytesOf = kWide ? kTileBytesA + 2 * kTileBytesB : kStageBytes;
 // kDownGrad's z chunk: 64 rows of a tile's g and u columns, four boxes.
 inline constexpr int kZChunkBytes = 4 * kBoxBytes;
 inline constexpr int kStagePad = 8;  // staging row padding (elements): fewer bank conflicts
@@ -113,6 +117,18 @@ template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   ModeTraits<M>::kRowDstBytes + 16;
+// Wide kGateUp (kWide): 4 stages of 48 KB, and each consumer's epilogue
+// buffer two 128B-swizzled 64 x 64 boxes (16 KB), which z's gate half, its up
+// half and a pass through in turn on their way out by TMA store.
+inline constexpr int kWideStages = 4;
+inline constexpr int kWideEpilogueBytes = 2 * kBoxBytes;
+inline constexpr int kSmemBytesWide = 1024 + kWideStages * kStageBytesOf<true> + 2 * kWideEpilogueBytes +
+                                      ModeTraits<GemmMode::kGateUp>::kBarriers * 8 +
+                                      ModeTraits<GemmMode::kGateUp>::kRowDstBytes + 16;
+static_assert(ModeTraits<GemmMode::kGateUp>::kStages == kWideStages, "wide kGateUp keeps kGateUp's ring depth");
+static_assert(kSmemBytesWide <= 227 * 1024, "wide kGateUp exceeds the 227 KB an H100/H200 CTA may use");
+static_assert(kStageBytesOf<true> % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
+
 template <GemmMode M>
 constexpr bool smem_fits() {  // every instantiation the engine builds (bf16; FP8 with and without the ring)
   constexpr int kMax = 227 * 1024;  // what an H100 / H200 CTA may use

@@ -226,6 +226,50 @@ struct Epilogue<GemmMode::kGateUp, kDirect> {
   }
 };
 
+// kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer cw
+// holds rows [64 cw, 64 cw + 64) of the tile, acc[0] their 128 gate columns
+// and acc[1] the matching 128 up columns (a-columns 128 n + c: register i of
+// both is the same row and column). z's gate half, its up half and a = silu(g) u
+// (the values and roundings of the 128 x 128 epilogue above) each pass through
+// the consumer's 16 KB buffer as two 128B-swizzled 64 x 64 boxes
+// (HalfTilePlaces) and leave by TMA stores (out_map[0]: z [C, 2I], out_map[1]:
+// a [C, I]); one thread issues them, and waits for their reads before the
+// buffer is written again (the next part, or the next tile's epilogue).
+struct WideGateUpEpilogue {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& ctx, int cw) const {
+    const GroupedGemmArgs& a = p.args;
+    const int I = static_cast<int>(a.intermediate);
+    const int row = tile.m * kBlockM + 64 * cw, col0 = tile.n * 128;
+    const uint32_t buf = smem_u32(ctx.z_chunk);
+    const bool storer = (threadIdx.x & 127) == 0;
+    // Stages value(i), value(i + 1) for every accumulator pair, then stores the two boxes at (c0, row), (c0 + 64, row).
+    auto stage_and_store = [&](const CUtensorMap* map, int c0, auto value) {
+      if (storer) bulk_wait_group_read<0>();  // the buffer's previous stores have read it
+      consumer_sync();
+      const HalfTilePlaces place;
+#pragma unroll
+      for (int i = 0; i < 64; i += 2)
+        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
+            __floats2bfloat162_rn(value(i), value(i + 1));
+      fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
+      consumer_sync();
+      if (storer) {
+        tma_store_2d(map, ctx.z_chunk, c0, row);
+        tma_store_2d(map, ctx.z_chunk + kBoxBytes, c0 + 64, row);
+        bulk_commit_group();
+      }
+    };
+    if (a.out0 != nullptr) {  // z: gate columns at 128 n, up columns I further on
+      stage_and_store(ctx.out_map[0], col0, [&](int i) { return acc[0][i]; });
+      stage_and_store(ctx.out_map[0], I + col0, [&](int i) { return acc[1][i]; });
+    }
+    if (a.out1 != nullptr)  // null when the backward recomputes z only
+      stage_and_store(ctx.out_map[1], col0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
+    return true;
+  }
+};
+
 // kDown (weighted expert output) and kGateUpGrad (dx part): rows to the source token's slot [j, t].
 template <GemmMode M, bool kDirect>
 struct SlotEpilogue {

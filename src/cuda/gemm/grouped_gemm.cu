@@ -37,7 +37,9 @@ using namespace engine;
 // n + 1), so CTA `rank` loads A box `rank` only and multicasts it to both.
 // kBT: kDownGrad / kGateUpGrad with B transposed, K-major (GroupedGemmArgs::b_k_major).
 // kFp8: e4m3 operands, 128 elements per k-block (the same 128-byte box rows).
-template <GemmMode M, bool kPair, bool kBT, bool kFp8>
+// kWide (kGateUp, bf16): 128 gate rows into B boxes 0-1 and the matching 128
+// up rows into boxes 2-3 (the kernel's 128 x 256 tiles).
+template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
                                            uint8_t* smem_b, uint64_t* full, uint32_t rank) {
@@ -58,7 +60,11 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_a + box * kBoxBytes, map_a, full, c0, c1);
     }
     // B
-    if constexpr (M == GemmMode::kGateUp) {  // gate rows and the matching up rows
+    if constexpr (M == GemmMode::kGateUp && kWide) {  // gate rows 128n + 64 box, and their up rows
+      const int row = e * 2 * I + tile.n * 128 + box * 64;
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
+      tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, k0, row + I);
+    } else if constexpr (M == GemmMode::kGateUp) {  // gate rows and the matching up rows
       const int row = e * 2 * I + (box == 0 ? 0 : I) + tile.n * 64;
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
     } else if constexpr (M == GemmMode::kDown) {
@@ -202,7 +208,12 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // kBT, kFp8: as load_stage. FP8 kernels run on split rings (pipeline.cuh:
 // one ring per consumer, main loops at the same time). kARing: M-grouped FP8
 // with A's scales through a scale ring (GroupedGemmArgs::a_scales_by_k_block).
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing>
+// kWide: bf16 kGateUp in 128 x 256 tiles (128 gate + 128 up columns, whole
+// SwiGLU pairs), both consumers on every tile at once, consumer c on rows
+// [64c, 64c + 64) with one m64n256k16 a k-step; a stage is released when
+// both have read it. The bare loop of this shape ran 9-13% faster than the
+// 128 x 128 split one in bench/fp8_tile_probe.cu (perf-log, session 31).
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -216,6 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
+  static_assert(!kWide || (M == GemmMode::kGateUp && !kFp8 && !kPair && !kHoldRows),
+                "wide tiles: bf16 kGateUp, one CTA a tile, no row holds");
+  constexpr int kStage = kStageBytesOf<kWide>;  // bytes of one ring stage
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes.
@@ -230,9 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                       ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})
                       : static_cast<uint8_t*>(__cvta_shared_to_generic((smem_u32(smem_raw) + 1023u) & ~1023u));
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
-  constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStageBytes;
+  constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStage;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
-  constexpr int kEpilogueBytes = kEpilogueBytesOf<M, kFp8>;
+  constexpr int kEpilogueBytes = kWide ? kWideEpilogueBytes : kEpilogueBytesOf<M, kFp8>;
   uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
@@ -259,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], 1);
       // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
-      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair ? 8 : 4);
+      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair || kWide ? 8 : 4);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -291,9 +305,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto load = [&](const Tile& tile, int kb, int slot) {
         uint64_t* full = &ring.full[slot];
         constexpr int kScaleBytes = !kRing ? 0 : M == GemmMode::kWeightGrad ? kScaleStageBytes : 512;
-        mbar_arrive_expect_tx(full, kStageBytes + kScaleBytes);
-        uint8_t* stage = smem + slot * kStageBytes;
-        load_stage<M, kPair, kBT, kFp8>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+        mbar_arrive_expect_tx(full, kStage + kScaleBytes);
+        uint8_t* stage = smem + slot * kStage;
+        load_stage<M, kPair, kBT, kFp8, kWide>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
         float* dst = scale_ring + slot * (kScaleStageBytes / 4);
         if constexpr (kRing && M == GemmMode::kWeightGrad) {  // this k-block's 128 row and 128 column scales
           const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
@@ -351,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const int my_first = kSplitRings ? cw * R : 0;  // this consumer's first slot
   const StageRing<R> my_ring{ring.full + my_first, ring.empty + my_first};
-  const uint8_t* my_stages = smem + my_first * kStageBytes;
+  const uint8_t* my_stages = smem + my_first * kStage;
   const float* my_scales = scale_ring + my_first * (kScaleStageBytes / 4);
   // A warp (every lane with kLaneRelease) gives stage s of its ring back to
   // this CTA's producer and, in a pair, to the peer's.
@@ -384,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int stride = (kSplitRings ? 2 : 1) * static_cast<int>(gridDim.x);
   for (int t = first_tile; t < tiles; t += stride, ++j) {
     const Tile tile = scheduler.tile(t);
-    if constexpr (!kSplitRings) {
+    if constexpr (!kSplitRings && !kWide) {
       if ((j & 1) != cw) {
         ps.advance(tile.k_blocks);
         continue;
@@ -416,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
           return;
         }
-        const uint8_t* sa = my_stages + ps.stage() * kStageBytes;
+        const uint8_t* sa = my_stages + ps.stage() * kStage;
         const uint8_t* sb = sa + kTileBytesA;
         // Between here and the wait<0> after the loop, nothing but wgmma touches
         // the accumulators (the fences are compiler-only: no instruction).
@@ -424,7 +438,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_accumulators(acc[1]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        for (int kk = 0; kWide && kk < kBlockK / 16; ++kk) {  // this consumer's A box, B's 256 rows at once
+          const uint64_t da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
+          const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
+          wgmma_m64n256k16_bf16(acc[0], acc[1], da, db, 1);
+        }
+#pragma unroll
+        for (int kk = 0; !kWide && kk < kBlockK / 16; ++kk) {
           uint64_t db;
           if constexpr (kBMn) {
             db = smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024);
@@ -454,11 +474,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_accumulators(acc[1]);
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
-    if (!kSplitRings && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
+    if (!kSplitRings && !kWide && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
     if (!epilogues) continue;
     // kHoldRows: the tile's rows, and so their sources, are in once its main loop has run.
     if constexpr (Tr::kRowDstBytes > 0 && kHoldRows) ctx.my_src = row_source();
-    if (!Epilogue<M, kFp8>{}(p, tile, acc, ctx)) {  // FP8: the staged modes' plain stores (store_rows)
+    bool stored;
+    if constexpr (kWide) {
+      stored = WideGateUpEpilogue{}(p, tile, acc, ctx, cw);
+    } else {
+      stored = Epilogue<M, kFp8>{}(p, tile, acc, ctx);  // FP8: the staged modes' plain stores (store_rows)
+    }
+    if (!stored) {
       bulk_wait_group<0>();
       return;
     }
@@ -473,11 +499,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (Tr::kZChunks || Tr::kStaged) bulk_wait_group<0>();
 }
 
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false, bool kARing = false>
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false, bool kARing = false,
+          bool kWide = false>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
-  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8, kARing>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8, kARing, kWide>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -493,7 +520,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  constexpr int kSmem = kSmemBytes<M, kFp8, has_scale_ring<M, kFp8, kARing>>;
+  constexpr int kSmem = kWide ? kSmemBytesWide : kSmemBytes<M, kFp8, has_scale_ring<M, kFp8, kARing>>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   // The smallest shared-memory carve-out that holds it (with the driver's 1 KB
@@ -604,8 +631,15 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                             "128, dz_s given, dz_q 8-byte and dz_s 4-byte aligned");
   KernelParams p;
   p.args = args;
-  // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns.
-  p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / 64 : args.n / kBlockN);
+  // bf16 kGateUp in 128 x 256 tiles (the kernel's kWide) wherever they apply:
+  // whole 128-column blocks of gate and of up (I % 128 == 0), no row holds
+  // (expert parallelism's owners keep the 128 x 128 tiles), unless a test
+  // asks for the narrow ones.
+  const bool wide = args.mode == GemmMode::kGateUp && !args.fp8 && args.rows_ready == nullptr &&
+                    args.intermediate % 128 == 0 && !args.narrow_gate_up;
+  // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
+  // (wide: each 256-column tile 128 and 128).
+  p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64) : args.n / kBlockN);
   p.m_tiles = static_cast<int>(args.m / kBlockM);
   p.k_blocks = static_cast<int>(args.k / (args.fp8 ? kBlockKFp8 : kBlockK));
   // Every operand is loaded as 64 x 64 boxes; the mode decides what the two
@@ -618,14 +652,16 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
   }
-  // kDownGrad only: it reads the saved z pool [C, 2I] and writes dz [C, 2I]
-  // and wa [C, I] by TMA (the other modes never touch these three maps).
-  CUtensorMap map_z = map_a, map_dz = map_a, map_wa = map_a;
-  if (args.mode == GemmMode::kDownGrad) {
+  // kDownGrad reads the saved z pool [C, 2I] and writes dz [C, 2I] and wa
+  // [C, I] by TMA; wide kGateUp writes z [C, 2I] and a [C, I] by TMA (each
+  // when asked for). The other modes never touch these three maps.
+  CUtensorMap map_z = map_a, map_out0 = map_a, map_out1 = map_a;
+  if (args.mode == GemmMode::kDownGrad || wide) {
     const int64_t I = args.intermediate;
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * I, &map_z));
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, 2 * I, &map_dz));
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out1, args.a_rows, I, &map_wa));
+    if (args.mode == GemmMode::kDownGrad)
+      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * I, &map_z));
+    if (args.out0 != nullptr) MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, 2 * I, &map_out0));
+    if (args.out1 != nullptr) MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out1, args.a_rows, I, &map_out1));
   }
   // Pairs of CTAs share A (in the modes where that is faster: ModeTraits::kPairs)
   // when every tile has a partner with the same rows: tiles 2i and 2i + 1 are
@@ -635,28 +671,33 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     constexpr GemmMode m = decltype(mode)::value;
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
       if (args.fp8 && args.a_scales_by_k_block)
-        return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
-      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+        return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
+      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kGateUp) {
+      if (wide)
+        return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
+                                                                       num_sms, stream);
     }
     if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {  // b_k_major: checked above
       if (args.fp8 && args.a_scales_by_k_block)
-        return launch_mode<m, false, false, true, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
-      if (args.fp8) return launch_mode<m, false, false, true, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+        return launch_mode<m, false, false, true, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
+      if (args.fp8) return launch_mode<m, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kWeightGrad) {  // A^T and B^T, K-major; one CTA per tile (no pairs)
-      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+      if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
     if constexpr (ModeTraits<m>::kPairs) {
-      if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+      if (pair) return launch_mode<m, true, false>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {
-      if (args.b_k_major) return launch_mode<m, false, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+      if (args.b_k_major) return launch_mode<m, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
     if constexpr (m != GemmMode::kWeightGrad) {  // rows_ready: refused above for kWeightGrad
       if (args.rows_ready != nullptr)
-        return launch_mode<m, false, true>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+        return launch_mode<m, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
-    return launch_mode<m, false, false>(map_a, map_b, map_z, map_dz, map_wa, p, num_sms, stream);
+    return launch_mode<m, false, false>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
   };
   switch (args.mode) {
     case GemmMode::kGateUp: return launch(std::integral_constant<GemmMode, GemmMode::kGateUp>{});
