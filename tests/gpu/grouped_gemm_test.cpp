@@ -357,6 +357,8 @@ TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
   g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
   g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
   g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());  // NaN wherever nothing is written
+  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
   run(g);
   const auto z_wide = z.download(), a_wide = a.download();
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
@@ -1235,7 +1237,9 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
 }
 
 // The same for wide kGateUp tiles (both consumers on every stage): the
-// producer stops, both consumers' full waits give up, one reports.
+// producer stops, both consumers' full waits give up, one reports, naming
+// the wide kernel (so this test also shows that the wide tiles ran). Then
+// the same call without the stall equals the narrow tiles bit for bit.
 TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
   Mat x, w13, z, a;
   random_pool(x, H, 1);
@@ -1252,8 +1256,17 @@ TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
   const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
-                        {"grouped GEMM kGateUp,", "block ", "full barrier", "phase " + std::to_string(stall) + " ",
-                         "gave up"});
+                        {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+
+  g.errors = errors;
+  run(g);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto z_wide = z.download(), a_wide = a.download();
+  g.narrow_gate_up = true;
+  run(g);
+  EXPECT_EQ(std::memcmp(z.download().data(), z_wide.data(), z_wide.size() * sizeof(float)), 0) << "z";
+  EXPECT_EQ(std::memcmp(a.download().data(), a_wide.data(), a_wide.size() * sizeof(float)), 0) << "a";
 }
 
 // The same on split rings (the FP8 kernels: a ring per consumer, a producer

@@ -35,6 +35,7 @@ enum KernelId : uint32_t {
   kKernelGemmWeightGrad,
   kKernelEpRouting,
   kKernelEpCombine,
+  kKernelGemmGateUpWide,  // kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide)
   kKernelCount,
 };
 

@@ -4,7 +4,8 @@
 // that take the CTA's tiles in turn ("ping-pong"): while one runs a tile's
 // wgmma main loop the other runs the previous tile's fused epilogue, so the
 // tensor cores do not wait for epilogues. Epilogues stage bf16 output through
-// shared memory so that global stores are 16-byte, row-contiguous.
+// shared memory so that global stores are 16-byte, row-contiguous. (bf16
+// kGateUp instead runs 128 x 256 tiles with both consumers on each: kWide.)
 //
 // The parts: engine_config.cuh (shapes, register split, shared-memory budget),
 // pipeline.cuh (stage ring, pipeline state, order barriers, bounded waits),
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* row_w_base = reinterpret_cast<float*>(row_dst_base + 2 * kBlockM);            // kDown: [2][kBlockM]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
   auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + Tr::kRowDstBytes);
-  const BoundedWait waits{p.args.errors, cta_state, kernel_id<M>(), kHoldRows};
+  const BoundedWait waits{p.args.errors, cta_state, kWide ? kKernelGemmGateUpWide : kernel_id<M>(), kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
   // With a scale ring (FP8 kWeightGrad, kARing) lanes read the stage's ring slot with ordinary loads
@@ -359,7 +360,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). On one
   // shared ring both walk every tile to keep the pipeline state in step with
   // the producer, and main loops run in tile order, one consumer at a time
-  // (OrderBarriers); on split rings each walks its own tiles and ring.
+  // (OrderBarriers); on split rings each walks its own tiles and ring. kWide:
+  // both take every tile, at once, consumer c its rows [64c, 64c + 64) (acc[0]
+  // gate and acc[1] up columns); no order barriers (each stage is freed by
+  // both, so neither can poll a stage's next phase early).
   setmaxnreg_inc<RegisterSplit::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -636,7 +640,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // (expert parallelism's owners keep the 128 x 128 tiles), unless a test
   // asks for the narrow ones.
   const bool wide = args.mode == GemmMode::kGateUp && !args.fp8 && args.rows_ready == nullptr &&
-                    args.intermediate % 128 == 0 && !args.narrow_gate_up;
+                    args.intermediate % 128 == 0 && args.n % 128 == 0 && !args.narrow_gate_up;
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64) : args.n / kBlockN);
