@@ -199,6 +199,20 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     }
   }
 
+  // A kGateUp launch: random x pool [C, H] and w13 [E*2I, H], z [C, 2I] and a [C, I] out.
+  cuda::GroupedGemmArgs gate_up_problem(Mat& x, Mat& w13, Mat& z, Mat& a) {
+    random_pool(x, H, 1);
+    random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
+    z.make(C, 2 * I);
+    a.make(C, I);
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+    g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
+    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
+    g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+    return g;
+  }
+
   // A kDown launch: random a pool [C, I] and w2 [E*H, I], weighted rows into slots [k*T, H].
   cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots) {
     random_pool(a, I, 3);
@@ -307,15 +321,7 @@ std::vector<double> pool_gemm(const Mat& a, int64_t K, int64_t N, const std::vec
 
 TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
   Mat x, w13, z, a;
-  random_pool(x, H, 1);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
-  z.make(C, 2 * I);
-  a.make(C, I);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   run(g);
   const auto ref = pool_gemm(x, H, 2 * I, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + n) * H + kk]; });
@@ -348,15 +354,7 @@ TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
 TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
   ASSERT_EQ(I % 128, 0) << "the wide tiles need I % 128 == 0";
   Mat x, w13, z, a;
-  random_pool(x, H, 5);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
-  z.make(C, 2 * I);
-  a.make(C, I);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());  // NaN wherever nothing is written
   ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
   run(g);
@@ -1242,15 +1240,7 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
 // the same call without the stall equals the narrow tiles bit for bit.
 TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
   Mat x, w13, z, a;
-  random_pool(x, H, 1);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
-  z.make(C, 2 * I);
-  a.make(C, I);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   const int64_t tiles = pool_rows / 128 * (I / 128), k_blocks = H / 64;
   const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
   const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
