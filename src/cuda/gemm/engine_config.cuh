@@ -117,15 +117,18 @@ template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   ModeTraits<M>::kRowDstBytes + 16;
-// Wide kGateUp (kWide): 4 stages of 48 KB, and each consumer's epilogue
-// buffer two 128B-swizzled 64 x 64 boxes (16 KB), which z's gate half, its up
-// half and a pass through in turn on their way out by TMA store.
+// Wide kGateUp (kWide): kWideStages stages of 48 KB, and each consumer's
+// epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes (8 KB each), which
+// z's gate and up halves and a pass through on their way out by TMA store:
+// with 2 boxes (4 stages) one at a time, with 4 (3 stages) z's two halves at
+// once, then a.
 inline constexpr int kWideStages = 4;
-inline constexpr int kWideEpilogueBytes = 2 * kBoxBytes;
+inline constexpr int kWideBoxes = kWideStages >= 4 ? 2 : 4;
+inline constexpr int kWideEpilogueBytes = kWideBoxes * kBoxBytes;
 inline constexpr int kSmemBytesWide = 1024 + kWideStages * kStageBytesOf<true> + 2 * kWideEpilogueBytes +
                                       ModeTraits<GemmMode::kGateUp>::kBarriers * 8 +
                                       ModeTraits<GemmMode::kGateUp>::kRowDstBytes + 16;
-static_assert(ModeTraits<GemmMode::kGateUp>::kStages == kWideStages, "wide kGateUp keeps kGateUp's ring depth");
+static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages, "kGateUp's barrier area holds the wide ring's");
 static_assert(kSmemBytesWide <= 227 * 1024, "wide kGateUp exceeds the 227 KB an H100/H200 CTA may use");
 static_assert(kStageBytesOf<true> % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
 

@@ -230,11 +230,13 @@ struct Epilogue<GemmMode::kGateUp, kDirect> {
 // holds rows [64 cw, 64 cw + 64) of the tile, acc[0] their 128 gate columns
 // and acc[1] the matching 128 up columns (a-columns 128 n + c: register i of
 // both is the same row and column). z's gate half, its up half and a = silu(g) u
-// (the values and roundings of the 128 x 128 epilogue above) each pass through
-// the consumer's 16 KB buffer as two 128B-swizzled 64 x 64 boxes
-// (HalfTilePlaces) and leave by TMA stores (out_map[0]: z [C, 2I], out_map[1]:
-// a [C, I]); one thread issues them, and waits for their reads before the
-// buffer is written again (the next part, or the next tile's epilogue).
+// (the values and roundings of the 128 x 128 epilogue above) pass through the
+// consumer's buffer of kWideBoxes 128B-swizzled 64 x 64 boxes (HalfTilePlaces:
+// a 64-row x 128-column part in two boxes) and leave by TMA stores
+// (out_map[0]: z [C, 2I], out_map[1]: a [C, I]): with two boxes the three
+// parts one after another, with four z's two halves at once. One thread
+// issues the stores and waits for their reads before the buffer is written
+// again (the next part, or the next tile's epilogue).
 struct WideGateUpEpilogue {
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& ctx, int cw) const {
@@ -243,29 +245,53 @@ struct WideGateUpEpilogue {
     const int row = tile.m * kBlockM + 64 * cw, col0 = tile.n * 128;
     const uint32_t buf = smem_u32(ctx.z_chunk);
     const bool storer = (threadIdx.x & 127) == 0;
-    // Stages value(i), value(i + 1) for every accumulator pair, then stores the two boxes at (c0, row), (c0 + 64, row).
-    auto stage_and_store = [&](const CUtensorMap* map, int c0, auto value) {
-      if (storer) bulk_wait_group_read<0>();  // the buffer's previous stores have read it
+    auto begin = [&] {  // the buffer's previous stores have read it
+      if (storer) bulk_wait_group_read<0>();
       consumer_sync();
+    };
+    // value(i), value(i + 1) of every accumulator pair into boxes b, b + 1.
+    auto stage = [&](int b, auto value) {
       const HalfTilePlaces place;
 #pragma unroll
       for (int i = 0; i < 64; i += 2)
-        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
+        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + b * kBoxBytes + place(i))) =
             __floats2bfloat162_rn(value(i), value(i + 1));
-      fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
-      consumer_sync();
-      if (storer) {
-        tma_store_2d(map, ctx.z_chunk, c0, row);
-        tma_store_2d(map, ctx.z_chunk + kBoxBytes, c0 + 64, row);
-        bulk_commit_group();
-      }
     };
+    auto publish = [&] {  // every thread's writes, before the TMA stores read them
+      fence_proxy_async_shared();
+      consumer_sync();
+    };
+    auto store = [&](const CUtensorMap* map, int b, int c0) {  // boxes b, b + 1 to columns c0, c0 + 64
+      if (!storer) return;
+      tma_store_2d(map, ctx.z_chunk + b * kBoxBytes, c0, row);
+      tma_store_2d(map, ctx.z_chunk + (b + 1) * kBoxBytes, c0 + 64, row);
+      bulk_commit_group();
+    };
+    auto gate = [&](int i) { return acc[0][i]; };
+    auto up = [&](int i) { return acc[1][i]; };
     if (a.out0 != nullptr) {  // z: gate columns at 128 n, up columns I further on
-      stage_and_store(ctx.out_map[0], col0, [&](int i) { return acc[0][i]; });
-      stage_and_store(ctx.out_map[0], I + col0, [&](int i) { return acc[1][i]; });
+      begin();
+      stage(0, gate);
+      if constexpr (kWideBoxes >= 4) {
+        stage(2, up);
+        publish();
+        store(ctx.out_map[0], 0, col0);
+        store(ctx.out_map[0], 2, I + col0);
+      } else {
+        publish();
+        store(ctx.out_map[0], 0, col0);
+        begin();
+        stage(0, up);
+        publish();
+        store(ctx.out_map[0], 0, I + col0);
+      }
     }
-    if (a.out1 != nullptr)  // null when the backward recomputes z only
-      stage_and_store(ctx.out_map[1], col0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
+    if (a.out1 != nullptr) {  // null when the backward recomputes z only
+      begin();
+      stage(0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
+      publish();
+      store(ctx.out_map[1], 0, col0);
+    }
     return true;
   }
 };

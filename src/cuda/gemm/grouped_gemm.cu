@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
                         const __grid_constant__ CUtensorMap map_out1, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
-  constexpr int S = Tr::kStages;
+  constexpr int S = kWide ? kWideStages : Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   constexpr bool kSplitRings = kFp8;
   constexpr bool kRing = has_scale_ring<M, kFp8, kARing>;
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})
                       : static_cast<uint8_t*>(__cvta_shared_to_generic((smem_u32(smem_raw) + 1023u) & ~1023u));
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
-  constexpr int kStageArea = kStagesUsed<M, kFp8, kRing> * kStage;
+  constexpr int kStageArea = (kWide ? kWideStages : kStagesUsed<M, kFp8, kRing>) * kStage;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
   constexpr int kEpilogueBytes = kWide ? kWideEpilogueBytes : kEpilogueBytesOf<M, kFp8>;
   uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][kEpilogueBytes], one per consumer
