@@ -203,7 +203,7 @@ TEST(PipelineProtocol, FourStagesEveryReadSeesItsOwnLoad) { check_model<Cta<4>, 
 TEST(PipelineProtocol, FiveStagesEveryReadSeesItsOwnLoad) { check_model<Cta<5>, 5>(); }
 TEST(PipelineProtocol, SixStagesEveryReadSeesItsOwnLoad) { check_model<Cta<6>, 6>(); }
 
-// Wide kGateUp tiles: 4 stages (kWideStages), each freed by both consumers.
+// Wide kGateUp tiles: 4 or 3 stages (kWideStages), each freed by both consumers.
 template <int S>
 struct WideCta : Cta<S> {
   WideCta() {
@@ -211,7 +211,10 @@ struct WideCta : Cta<S> {
     for (Barrier& e : this->empty) e.count = 2;
   }
 };
-TEST(PipelineProtocol, WideTilesEveryReadSeesItsOwnLoad) { check_model<WideCta<4>, 4>(); }
+TEST(PipelineProtocol, WideTilesEveryReadSeesItsOwnLoad) {
+  check_model<WideCta<4>, 4>();
+  check_model<WideCta<3>, 3>();
+}
 
 // A stage freed by the first consumer to finish with it is refilled while the
 // other may not have read it yet: the model must catch that.
