@@ -40,14 +40,17 @@ struct TileWork {
 };
 
 // The TMA unit: one in-flight load, picked at random, lands: its stage holds
-// the load's tag and the stage's full barrier gets its arrival.
-template <typename Tag, int S>
+// the load's tag and the stage's full barrier gets its arrival. A stage that
+// a consumer's wgmmas may still be reading (held(s)) must not be written.
+template <typename Tag, int S, typename Held>
 bool land_one_load(std::vector<std::pair<int, Tag>>& in_flight, int64_t (&content)[S], Barrier (&full)[S],
-                   std::mt19937& rng) {
+                   std::mt19937& rng, Held held, std::string& violation) {
   if (in_flight.empty()) return false;
   const size_t i = rng() % in_flight.size();
   const auto [s, tag] = in_flight[i];
   in_flight.erase(in_flight.begin() + static_cast<long>(i));
+  if (held(s) && violation.empty())
+    violation = "a load landed in stage " + std::to_string(s) + " while a consumer's wgmmas may still read it";
   content[s] = tag;
   full[s].arrive();
   return true;
@@ -61,6 +64,12 @@ struct Cta {
   // stage of every tile, no order barriers, and a stage's empty barrier
   // counts both consumers (one arrival each here: the kernel's 4 + 4 warps).
   bool wide = false;
+  // A consumer's wgmmas read a stage from their issue until the next
+  // k-block's wait<1> (or the tile's wait<0>) retires them: held[s] counts
+  // the consumers doing so. early_release (a spoiled model) gives a stage
+  // back right after issuing its wgmmas, before they retire.
+  int held[S] = {};
+  bool early_release = false;
   Barrier full[S], empty[S], order[2];
   int64_t content[S];  // the iteration whose data the stage holds (-1: none)
   std::vector<std::pair<int, uint32_t>> in_flight;  // loads issued, not yet landed: (stage, iteration)
@@ -99,7 +108,9 @@ struct Cta {
   }
 
   // The TMA unit: one in-flight load lands.
-  bool tma_step(std::mt19937& rng) { return land_one_load(in_flight, content, full, rng); }
+  bool tma_step(std::mt19937& rng) {
+    return land_one_load(in_flight, content, full, rng, [&](int s) { return held[s] > 0; }, violation);
+  }
 
   bool read_stage(PipelineState<S> ps, const char* what) {
     if (!full[ps.stage()].try_wait(ps.parity())) return false;
@@ -128,10 +139,18 @@ struct Cta {
     }
     if (me.step < t.k_blocks) {
       if (!read_stage(me.ps, "main loop")) return false;
-      if (me.step > 0) empty[me.ps.previous_stage()].arrive();  // the previous k-block's wgmma group retired
+      ++held[me.ps.stage()];  // this k-block's wgmmas are issued
+      if (me.step > 0) {  // the previous k-block's wgmma group retired (wait<1>): its stage goes back
+        --held[me.ps.previous_stage()];
+        if (!early_release) empty[me.ps.previous_stage()].arrive();
+      }
+      if (early_release) empty[me.ps.stage()].arrive();
       ++me.ps;
       ++me.step;
-      if (me.step == t.k_blocks && t.k_blocks > 0) empty[me.ps.previous_stage()].arrive();
+      if (me.step == t.k_blocks && t.k_blocks > 0) {  // wait<0>: the last group retired
+        --held[me.ps.previous_stage()];
+        if (!early_release) empty[me.ps.previous_stage()].arrive();
+      }
       return true;
     }
     // Epilogue: let the other consumer start its main loop, next tile.
@@ -224,6 +243,13 @@ TEST(PipelineProtocol, WideTilesFreedByOneConsumerAStaleReadIsFound) {
   })));
 }
 
+// A stage given back before the wgmmas reading it retire can be refilled
+// under them: the model must catch it, on the ping-pong ring and the wide one.
+TEST(PipelineProtocol, AStageFreedBeforeItsWgmmasRetireIsFound) {
+  EXPECT_TRUE((some_interleaving_violates<Cta<4>, 4>([](Cta<4>& cta) { cta.early_release = true; })));
+  EXPECT_TRUE((some_interleaving_violates<WideCta<4>, 4>([](WideCta<4>& cta) { cta.early_release = true; })));
+}
+
 // Without the order barriers a consumer can poll a stage two phases ahead and
 // read an older load: the model must catch it on some interleaving.
 TEST(PipelineProtocol, WithoutOrderBarriersAStaleReadIsFound) {
@@ -278,7 +304,10 @@ struct SplitCta {
     return false;
   }
 
-  bool tma_step(std::mt19937& rng) { return land_one_load(in_flight, content, full, rng); }
+  // (Split rings release a stage after wait<0>, within the consumer's step: nothing is held across steps.)
+  bool tma_step(std::mt19937& rng) {
+    return land_one_load(in_flight, content, full, rng, [](int) { return false; }, violation);
+  }
 
   // Consumer cw: a k-block per step (waits for its stage, checks it, gives it back); a tile without k-blocks
   // is its epilogue alone.
