@@ -347,7 +347,7 @@ TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
 }
 
 // bf16 kGateUp in 128 x 256 tiles (the default where I % 128 == 0, as here)
-// against the 128 x 128 tiles (narrow_gate_up): z and a bit for bit, with
+// against the 128 x 128 tiles (narrow_tiles): z and a bit for bit, with
 // and without the a output. The wide tiles' two consumers share each stage
 // and each computes 64 rows x 256 columns by one m64n256k16 a k-step; the
 // narrow ones take turns, each 128 rows x 128 columns by two m64n128k16.
@@ -361,7 +361,7 @@ TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
   const auto z_wide = z.download(), a_wide = a.download();
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
   ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
-  g.narrow_gate_up = true;
+  g.narrow_tiles = true;
   run(g);
   auto used = [&](const std::vector<float>& v, int64_t cols) {
     return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
@@ -376,12 +376,29 @@ TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
   ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
   const auto a_before = a.download();
-  g.narrow_gate_up = false, g.out1 = nullptr;
+  g.narrow_tiles = false, g.out1 = nullptr;
   run(g);
   EXPECT_EQ(used(z.download(), 2 * I), used(z_wide, 2 * I));
   const auto a_after = a.download();
   EXPECT_EQ(std::memcmp(a_after.data(), a_before.data(), a_before.size() * sizeof(float)), 0)
       << "a written without out1";
+}
+
+// bf16 kDown in 128 x 256 tiles (the default where N % 256 == 0, as here)
+// against the 128 x 128 tiles: the slots bit for bit (NaN-filled first, so
+// a row written by one path only shows).
+TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
+  ASSERT_EQ(H % 256, 0) << "the wide kDown tiles need N % 256 == 0";
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  run(g);
+  const auto wide = slots.download();
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  g.narrow_tiles = true;
+  run(g);
+  const auto narrow = slots.download();
+  EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slot elements differ";
 }
 
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
@@ -1214,6 +1231,7 @@ void expect_stall_reported(cuda::GroupedGemmArgs g, const cuda::DeviceErrorSink&
 TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  g.narrow_tiles = true;  // the ping-pong consumers (the wide tiles: the next test)
   // CTA 0 walks the most tiles; stall at a stage iteration it reaches (past
   // the first ring wrap when it has that many), so at least one CTA stalls
   // and every CTA that stalls does so at the same iteration.
@@ -1253,10 +1271,33 @@ TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
   run(g);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const auto z_wide = z.download(), a_wide = a.download();
-  g.narrow_gate_up = true;
+  g.narrow_tiles = true;
   run(g);
   EXPECT_EQ(std::memcmp(z.download().data(), z_wide.data(), z_wide.size() * sizeof(float)), 0) << "z";
   EXPECT_EQ(std::memcmp(a.download().data(), a_wide.data(), a_wide.size() * sizeof(float)), 0) << "a";
+}
+
+// The same for wide kDown tiles; the report names the wide kernel, and the
+// call without the stall writes the narrow tiles' slots.
+TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
+  const int64_t tiles = pool_rows / 128 * (H / 256), k_blocks = I / 64;
+  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
+  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kDown (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  run(g);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto wide = slots.download();
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  g.narrow_tiles = true;
+  run(g);
+  EXPECT_EQ(std::memcmp(slots.download().data(), wide.data(), wide.size() * sizeof(float)), 0);
 }
 
 // The same on split rings (the FP8 kernels: a ring per consumer, a producer

@@ -15,7 +15,8 @@ const char* kernel_name(uint32_t k) {
   static const char* const kNames[kKernelCount] = {"routing plan", "grouped GEMM kGateUp", "grouped GEMM kDown",
                                                    "grouped GEMM kDownGrad", "grouped GEMM kGateUpGrad",
                                                    "grouped GEMM kWeightGrad", "EP routing", "EP combine",
-                                                   "grouped GEMM kGateUp (128 x 256 tiles)"};
+                                                   "grouped GEMM kGateUp (128 x 256 tiles)",
+                                                   "grouped GEMM kDown (128 x 256 tiles)"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 

@@ -36,6 +36,7 @@ enum KernelId : uint32_t {
   kKernelEpRouting,
   kKernelEpCombine,
   kKernelGemmGateUpWide,  // kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide)
+  kKernelGemmDownWide,    // kDown in 128 x 256 tiles
   kKernelCount,
 };
 

@@ -117,19 +117,29 @@ template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   ModeTraits<M>::kRowDstBytes + 16;
-// Wide kGateUp (kWide): kWideStages stages of 48 KB, and each consumer's
-// epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes (8 KB each), which
-// z's gate and up halves and a pass through on their way out by TMA store:
-// with 2 boxes (4 stages) one at a time, with 4 (3 stages) z's two halves at
-// once, then a.
+// Wide tiles (kWide: kGateUp and kDown, bf16): kWideStages stages of 48 KB,
+// and each consumer's epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes
+// (8 KB each). kGateUp passes z's gate and up halves and a through it on
+// their way out by TMA store: with 2 boxes (4 stages) one at a time, with 4
+// (3 stages) z's two halves at once, then a. kDown passes its 256 columns
+// through it in 128-column halves. A consumer holds 64 tile rows, so the
+// row destinations (kDown) take half the narrow tiles' room.
 inline constexpr int kWideStages = 4;
 inline constexpr int kWideBoxes = kWideStages >= 4 ? 2 : 4;
 inline constexpr int kWideEpilogueBytes = kWideBoxes * kBoxBytes;
+// Tile rows a consumer's row destinations cover, and their bytes for both consumers.
+template <bool kWide>
+inline constexpr int kRowDstRows = kWide ? kBlockM / 2 : kBlockM;
+template <GemmMode M, bool kWide>
+inline constexpr int kRowDstBytesOf = ModeTraits<M>::kRowDstBytes / kBlockM * kRowDstRows<kWide>;
+template <GemmMode M>
 inline constexpr int kSmemBytesWide = 1024 + kWideStages * kStageBytesOf<true> + 2 * kWideEpilogueBytes +
-                                      ModeTraits<GemmMode::kGateUp>::kBarriers * 8 +
-                                      ModeTraits<GemmMode::kGateUp>::kRowDstBytes + 16;
-static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages, "kGateUp's barrier area holds the wide ring's");
-static_assert(kSmemBytesWide <= 227 * 1024, "wide kGateUp exceeds the 227 KB an H100/H200 CTA may use");
+                                      ModeTraits<M>::kBarriers * 8 + kRowDstBytesOf<M, true> + 16;
+static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages &&
+                  kWideStages <= ModeTraits<GemmMode::kDown>::kStages,
+              "the modes' barrier areas hold the wide ring's");
+static_assert(kSmemBytesWide<GemmMode::kGateUp> <= 227 * 1024 && kSmemBytesWide<GemmMode::kDown> <= 227 * 1024,
+              "wide tiles exceed the 227 KB an H100/H200 CTA may use");
 static_assert(kStageBytesOf<true> % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
 
 template <GemmMode M>

@@ -345,6 +345,59 @@ struct SlotEpilogue {
     return true;
   }
 };
+// kDown in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer c holds
+// rows [64c, 64c + 64) of the tile, acc[h] their columns [128h, 128h + 128)
+// of the tile's 256. Each row (its routing weight times it, rounded to bf16:
+// the narrow epilogue's values) goes to its source's slot [j, t], columns
+// 256n..: a 128-column half at a time through the consumer's buffer (two
+// 128B-swizzled 64 x 64 boxes, HalfTilePlaces), then 16-byte stores, 16 lanes
+// a row (whole 32-byte sectors). Threads 0-63 write the 64 rows'
+// destinations and weights first (row_dst / row_w: [64] a consumer).
+struct WideSlotEpilogue {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& ctx) const {
+    const GroupedGemmArgs& a = p.args;
+    const int tid = static_cast<int>(threadIdx.x & 127);
+    const int k = a.plan.top_k;
+    const int64_t T = a.plan.num_tokens, N = a.n;
+    auto* slots = static_cast<__nv_bfloat16*>(a.out0);
+    const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;
+    consumer_sync();  // every thread is done with the previous tile's row_dst, row_w and buffer
+    if (tid < 64) {
+      const int32_t src = ctx.my_src;
+      ctx.row_dst[tid] = src < 0 ? nullptr : slots + ((src % k) * T + src / k) * N + tile.n * 256;
+      ctx.row_w[tid] = w;
+    }
+    consumer_sync();
+    float w_row[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
+    const uint32_t buf = smem_u32(ctx.z_chunk);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h > 0) consumer_sync();  // every thread has read the first half out of the buffer
+      const HalfTilePlaces place;
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const float wq = w_row[(i >> 1) & 1];
+        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
+            __floats2bfloat162_rn(wq * acc[h][i], wq * acc[h][i + 1]);
+      }
+      consumer_sync();
+#pragma unroll 4
+      for (int c = tid; c < 64 * 16; c += 128) {  // 16-byte chunk c % 16 of row c / 16
+        const int r = c >> 4, chunk = c & 15;
+        __nv_bfloat16* dst = ctx.row_dst[r];
+        if (dst == nullptr) continue;
+        const uint32_t at = buf + (chunk >> 3) * kBoxBytes + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+        *reinterpret_cast<uint4*>(dst + 128 * h + 8 * chunk) =
+            *static_cast<const uint4*>(__cvta_shared_to_generic(at));
+      }
+    }
+    return true;
+  }
+};
+
 template <bool kDirect>
 struct Epilogue<GemmMode::kDown, kDirect> : SlotEpilogue<GemmMode::kDown, kDirect> {};
 template <bool kDirect>

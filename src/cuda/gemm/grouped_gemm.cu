@@ -38,8 +38,9 @@ using namespace engine;
 // n + 1), so CTA `rank` loads A box `rank` only and multicasts it to both.
 // kBT: kDownGrad / kGateUpGrad with B transposed, K-major (GroupedGemmArgs::b_k_major).
 // kFp8: e4m3 operands, 128 elements per k-block (the same 128-byte box rows).
-// kWide (kGateUp, bf16): 128 gate rows into B boxes 0-1 and the matching 128
-// up rows into boxes 2-3 (the kernel's 128 x 256 tiles).
+// kWide (bf16; the kernel's 128 x 256 tiles): kGateUp's 128 gate rows into B
+// boxes 0-1 and the matching 128 up rows into boxes 2-3; kDown's 256 rows of
+// expert e's w2 (output columns 256n..) into boxes 0-3.
 template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
@@ -68,6 +69,10 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
     } else if constexpr (M == GemmMode::kGateUp) {  // gate rows and the matching up rows
       const int row = e * 2 * I + (box == 0 ? 0 : I) + tile.n * 64;
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
+    } else if constexpr (M == GemmMode::kDown && kWide) {
+      const int row = e * static_cast<int>(p.args.n) + tile.n * 256 + box * 64;
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
+      tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, k0, row + 128);
     } else if constexpr (M == GemmMode::kDown) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
     } else if constexpr (M == GemmMode::kWeightGrad && kFp8) {  // B^T [n, pool rows], K-major
@@ -210,9 +215,9 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // one ring per consumer, main loops at the same time). kARing: M-grouped FP8
 // with A's scales through a scale ring (GroupedGemmArgs::a_scales_by_k_block).
 // kWide: bf16 kGateUp in 128 x 256 tiles (128 gate + 128 up columns, whole
-// SwiGLU pairs), both consumers on every tile at once, consumer c on rows
-// [64c, 64c + 64) with one m64n256k16 a k-step; a stage is released when
-// both have read it. The bare loop of this shape ran 9-13% faster than the
+// SwiGLU pairs), and bf16 kDown in 128 x 256 tiles; both consumers on every
+// tile at once, consumer c on rows [64c, 64c + 64) with one m64n256k16 a
+// k-step; a stage is released when both have read it. The bare loop of this shape ran 9-13% faster than the
 // 128 x 128 split one in bench/fp8_tile_probe.cu (perf-log, session 31).
 template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing, bool kWide = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -228,8 +233,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
-  static_assert(!kWide || (M == GemmMode::kGateUp && !kFp8 && !kPair && !kHoldRows),
-                "wide tiles: bf16 kGateUp, one CTA a tile, no row holds");
+  static_assert(!kWide || ((M == GemmMode::kGateUp || M == GemmMode::kDown) && !kFp8 && !kPair && !kHoldRows),
+                "wide tiles: bf16 kGateUp and kDown, one CTA a tile, no row holds");
+  constexpr int kRowRows = kRowDstRows<kWide>;  // tile rows a consumer's row destinations cover
   constexpr int kStage = kStageBytesOf<kWide>;  // bytes of one ring stage
   using State = PipelineState<S>;
   extern __shared__ uint8_t smem_raw[];
@@ -253,11 +259,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const StageRing<S> ring{barriers, barriers + S};
   const OrderBarriers order{barriers + 2 * S};  // [2]
   uint64_t* z_full = barriers + 2 * S + 2;      // [2] kDownGrad: a consumer's z chunk has landed
-  auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + Tr::kBarriers);  // [2][kBlockM]
-  auto* row_w_base = reinterpret_cast<float*>(row_dst_base + 2 * kBlockM);            // kDown: [2][kBlockM]
+  auto* row_dst_base = reinterpret_cast<__nv_bfloat16**>(barriers + Tr::kBarriers);  // [2][kRowRows]
+  auto* row_w_base = reinterpret_cast<float*>(row_dst_base + 2 * kRowRows);           // kDown: [2][kRowRows]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
-  auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + Tr::kRowDstBytes);
-  const BoundedWait waits{p.args.errors, cta_state, kWide ? kKernelGemmGateUpWide : kernel_id<M>(), kHoldRows};
+  auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + kRowDstBytesOf<M, kWide>);
+  constexpr uint32_t kKernel =
+      !kWide ? kernel_id<M>() : M == GemmMode::kGateUp ? kKernelGemmGateUpWide : kKernelGemmDownWide;
+  const BoundedWait waits{p.args.errors, cta_state, kKernel, kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
   // With a scale ring (FP8 kWeightGrad, kARing) lanes read the stage's ring slot with ordinary loads
@@ -380,8 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   uint8_t* my_buffer = epilogue_base + cw * kEpilogueBytes;
   EpilogueContext ctx{reinterpret_cast<__nv_bfloat16*>(my_buffer),
-                      row_dst_base + cw * kBlockM,
-                      row_w_base + cw * kBlockM,
+                      row_dst_base + cw * kRowRows,
+                      row_w_base + cw * kRowRows,
                       my_buffer,
                       &z_full[cw],
                       0,
@@ -414,7 +422,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     ++mine;
     // The slot modes' row source (EpilogueContext::my_src): this thread's tile row's.
-    auto row_source = [&] { return p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + (threadIdx.x & 127)]; };
+    // (kWide: the consumer's 64 rows; threads 64-127 load them again.)
+    auto row_source = [&] {
+      const int r = kWide ? 64 * cw + (threadIdx.x & 63) : (threadIdx.x & 127);
+      return p.args.plan.row_src[static_cast<int64_t>(tile.m) * kBlockM + r];
+    };
     // Read before the main loop, so that the epilogue does not start by waiting for it.
     if constexpr (Tr::kRowDstBytes > 0 && !kHoldRows)
       if (epilogues) ctx.my_src = row_source();
@@ -483,8 +495,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // kHoldRows: the tile's rows, and so their sources, are in once its main loop has run.
     if constexpr (Tr::kRowDstBytes > 0 && kHoldRows) ctx.my_src = row_source();
     bool stored;
-    if constexpr (kWide) {
+    if constexpr (kWide && M == GemmMode::kGateUp) {
       stored = WideGateUpEpilogue{}(p, tile, acc, ctx, cw);
+    } else if constexpr (kWide) {
+      stored = WideSlotEpilogue{}(p, tile, acc, ctx);
     } else {
       stored = Epilogue<M, kFp8>{}(p, tile, acc, ctx);  // FP8: the staged modes' plain stores (store_rows)
     }
@@ -524,7 +538,7 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   if (launch_regs != kLaunchRegs)
     return internal_error("grouped GEMM: the kernel has " + std::to_string(launch_regs) +
                           " registers per thread; its register split needs " + std::to_string(kLaunchRegs));
-  constexpr int kSmem = kWide ? kSmemBytesWide : kSmemBytes<M, kFp8, has_scale_ring<M, kFp8, kARing>>;
+  constexpr int kSmem = kWide ? kSmemBytesWide<M> : kSmemBytes<M, kFp8, has_scale_ring<M, kFp8, kARing>>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return cuda_status("grouped GEMM: setting its shared memory", err);
   // The smallest shared-memory carve-out that holds it (with the driver's 1 KB
@@ -635,15 +649,18 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                             "128, dz_s given, dz_q 8-byte and dz_s 4-byte aligned");
   KernelParams p;
   p.args = args;
-  // bf16 kGateUp in 128 x 256 tiles (the kernel's kWide) wherever they apply:
-  // whole 128-column blocks of gate and of up (I % 128 == 0), no row holds
-  // (expert parallelism's owners keep the 128 x 128 tiles), unless a test
-  // asks for the narrow ones.
-  const bool wide = args.mode == GemmMode::kGateUp && !args.fp8 && args.rows_ready == nullptr &&
-                    args.intermediate % 128 == 0 && args.n % 128 == 0 && !args.narrow_gate_up;
+  // bf16 kGateUp and kDown in 128 x 256 tiles (the kernel's kWide) wherever
+  // they apply: kGateUp with whole 128-column blocks of gate and of up (I %
+  // 128 == 0), kDown with N % 256 == 0 writing this GPU's slots (not peer
+  // slots); no row holds (expert parallelism's owners keep the 128 x 128
+  // tiles); unless a test asks for the narrow ones.
+  const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
+                    ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
+                     (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr));
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
-  p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64) : args.n / kBlockN);
+  p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64)
+                                                             : args.n / (wide ? 256 : kBlockN));
   p.m_tiles = static_cast<int>(args.m / kBlockM);
   p.k_blocks = static_cast<int>(args.k / (args.fp8 ? kBlockKFp8 : kBlockK));
   // Every operand is loaded as 64 x 64 boxes; the mode decides what the two
@@ -660,7 +677,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // [C, I] by TMA; wide kGateUp writes z [C, 2I] and a [C, I] by TMA (each
   // when asked for). The other modes never touch these three maps.
   CUtensorMap map_z = map_a, map_out0 = map_a, map_out1 = map_a;
-  if (args.mode == GemmMode::kDownGrad || wide) {
+  if (args.mode == GemmMode::kDownGrad || (wide && args.mode == GemmMode::kGateUp)) {
     const int64_t I = args.intermediate;
     if (args.mode == GemmMode::kDownGrad)
       MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.z_pool, args.a_rows, 2 * I, &map_z));
@@ -678,7 +695,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
-    if constexpr (m == GemmMode::kGateUp) {
+    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
       if (wide)
         return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
                                                                        num_sms, stream);

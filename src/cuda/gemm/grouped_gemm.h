@@ -147,9 +147,10 @@ struct GroupedGemmArgs {
   // set false to compare with the one-CTA path.
   bool pair_ctas = true;
   // bf16 kGateUp runs in 128 x 256 tiles (128 gate + 128 up columns) when I
-  // is a multiple of 128 and rows_ready is unset; tests set true to compare
-  // with the 128 x 128 tiles (64 gate + 64 up), which are bitwise the same.
-  bool narrow_gate_up = false;
+  // is a multiple of 128, and bf16 kDown when N is a multiple of 256 (no
+  // peer_slots), both when rows_ready is unset; tests set true to compare
+  // with the 128 x 128 tiles, which are bitwise the same.
+  bool narrow_tiles = false;
 };
 
 // Launches the engine on `stream`. Host-side checks only (no synchronisation).
