@@ -401,6 +401,30 @@ TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
   EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slot elements differ";
 }
 
+// The same with two wide column tiles (N = 512): tile.n > 0 reaches the B
+// rows and the slot columns (the fixture's N = H = 256 has one).
+TEST_P(GroupedGemm, WideDownTwoColumnTilesAreBitwiseTheNarrowOnes) {
+  const int64_t N = 512;
+  Mat a, w2, slots;
+  random_pool(a, I, 3);
+  random_mat(w2, E * N, I, 1.0 / 11, 8);
+  slots.make(k * T, N);
+  cuda::GroupedGemmArgs g;
+  g.mode = GemmMode::kDown, g.plan = plan, g.n = N, g.k = I, g.intermediate = I;
+  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
+  g.b = w2.dev.view().data, g.b_rows = E * N, g.b_cols = I;
+  g.topk_weights = static_cast<const float*>(weights.view().data);
+  g.out0 = slots.dev.view().data;
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  run(g);
+  const auto wide = slots.download();
+  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+  g.narrow_tiles = true;
+  run(g);
+  const auto narrow = slots.download();
+  EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slot elements differ";
+}
+
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);

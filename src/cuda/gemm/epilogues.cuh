@@ -125,8 +125,8 @@ __device__ __forceinline__ void staging_free() {
 // buffer (kEpilogueBytes) is the staging tile or, in kDownGrad, the z chunk.
 struct EpilogueContext {
   __nv_bfloat16* staging;  // kStaged modes: [128][kStagingLd] bf16 (FP8: [64][kStagingLd], a row half)
-  __nv_bfloat16** row_dst;  // [128] kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr: nowhere)
-  float* row_w;             // [128] kDown: each tile row's routing weight (0 for a padding row)
+  __nv_bfloat16** row_dst;  // [128] ([64] wide kDown) kDown, kGateUpGrad: where each tile row goes (its slot, this tile's columns; nullptr: nowhere)
+  float* row_w;             // [128] ([64] wide kDown) kDown: each tile row's routing weight (0 for a padding row)
   uint8_t* z_chunk;        // kDownGrad: [g cols 0-63 | g 64-127 | u 0-63 | u 64-127], 64 x 64 swizzled boxes
   uint64_t* z_full;        // kDownGrad: completes when a z chunk has landed
   uint32_t z_waits;        // kDownGrad: chunks waited for so far (z_full's phase)

@@ -5,7 +5,8 @@
 // wgmma main loop the other runs the previous tile's fused epilogue, so the
 // tensor cores do not wait for epilogues. Epilogues stage bf16 output through
 // shared memory so that global stores are 16-byte, row-contiguous. (bf16
-// kGateUp instead runs 128 x 256 tiles with both consumers on each: kWide.)
+// kGateUp and kDown instead run 128 x 256 tiles with both consumers on
+// each: kWide.)
 //
 // The parts: engine_config.cuh (shapes, register split, shared-memory budget),
 // pipeline.cuh (stage ring, pipeline state, order barriers, bounded waits),
@@ -263,6 +264,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* row_w_base = reinterpret_cast<float*>(row_dst_base + 2 * kRowRows);           // kDown: [2][kRowRows]
   // The CTA's state word (BoundedWait): abort and holding-for-rows bits.
   auto* cta_state = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(row_dst_base) + kRowDstBytesOf<M, kWide>);
+  // What is carved above, with the worst alignment pad (1008 bytes) and the
+  // state word, inside what the launch asks for (the budget in engine_config.cuh
+  // repeats this layout by hand).
+  static_assert(!kWide || 1008 + kStageArea + 2 * kEpilogueBytes + Tr::kBarriers * 8 + kRowDstBytesOf<M, kWide> + 4 <=
+                              kSmemBytesWide<M>,
+                "the wide kernel's shared-memory carve-up exceeds kSmemBytesWide");
   constexpr uint32_t kKernel =
       !kWide ? kernel_id<M>() : M == GemmMode::kGateUp ? kKernelGemmGateUpWide : kKernelGemmDownWide;
   const BoundedWait waits{p.args.errors, cta_state, kKernel, kHoldRows};
@@ -369,9 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // shared ring both walk every tile to keep the pipeline state in step with
   // the producer, and main loops run in tile order, one consumer at a time
   // (OrderBarriers); on split rings each walks its own tiles and ring. kWide:
-  // both take every tile, at once, consumer c its rows [64c, 64c + 64) (acc[0]
-  // gate and acc[1] up columns); no order barriers (each stage is freed by
-  // both, so neither can poll a stage's next phase early).
+  // both take every tile, at once, consumer c its rows [64c, 64c + 64) (acc[h]
+  // the tile's columns [128h, 128h + 128): kGateUp's gate and up columns); no
+  // order barriers (each stage is freed by both, so neither can poll a
+  // stage's next phase early).
   setmaxnreg_inc<RegisterSplit::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
