@@ -213,15 +213,16 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     return g;
   }
 
-  // A kDown launch: random a pool [C, I] and w2 [E*H, I], weighted rows into slots [k*T, H].
-  cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots) {
+  // A kDown launch: random a pool [C, I] and w2 [E*N, I], weighted rows into slots [k*T, N] (N = H by default).
+  cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots) { return down_problem(a, w2, slots, H); }
+  cuda::GroupedGemmArgs down_problem(Mat& a, Mat& w2, Mat& slots, int64_t N) {
     random_pool(a, I, 3);
-    random_mat(w2, E * H, I, 1.0 / 11, 4);
-    slots.make(k * T, H);
+    random_mat(w2, E * N, I, 1.0 / 11, 4);
+    slots.make(k * T, N);
     cuda::GroupedGemmArgs g;
-    g.mode = GemmMode::kDown, g.plan = plan, g.n = H, g.k = I, g.intermediate = I;
+    g.mode = GemmMode::kDown, g.plan = plan, g.n = N, g.k = I, g.intermediate = I;
     g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
-    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+    g.b = w2.dev.view().data, g.b_rows = E * N, g.b_cols = I;
     g.topk_weights = static_cast<const float*>(weights.view().data);
     g.out0 = slots.dev.view().data;
     return g;
@@ -387,42 +388,22 @@ TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
 // bf16 kDown in 128 x 256 tiles (the default where N % 256 == 0, as here)
 // against the 128 x 128 tiles: the slots bit for bit (NaN-filled first, so
 // a row written by one path only shows).
+// N = 256 (the fixture's H: one wide column tile) and 512 (two: tile.n > 0
+// reaches the B rows and the slot columns).
 TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
-  ASSERT_EQ(H % 256, 0) << "the wide kDown tiles need N % 256 == 0";
-  Mat a, w2, slots;
-  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
-  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  run(g);
-  const auto wide = slots.download();
-  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  g.narrow_tiles = true;
-  run(g);
-  const auto narrow = slots.download();
-  EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slot elements differ";
-}
-
-// The same with two wide column tiles (N = 512): tile.n > 0 reaches the B
-// rows and the slot columns (the fixture's N = H = 256 has one).
-TEST_P(GroupedGemm, WideDownTwoColumnTilesAreBitwiseTheNarrowOnes) {
-  const int64_t N = 512;
-  Mat a, w2, slots;
-  random_pool(a, I, 3);
-  random_mat(w2, E * N, I, 1.0 / 11, 8);
-  slots.make(k * T, N);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kDown, g.plan = plan, g.n = N, g.k = I, g.intermediate = I;
-  g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
-  g.b = w2.dev.view().data, g.b_rows = E * N, g.b_cols = I;
-  g.topk_weights = static_cast<const float*>(weights.view().data);
-  g.out0 = slots.dev.view().data;
-  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  run(g);
-  const auto wide = slots.download();
-  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  g.narrow_tiles = true;
-  run(g);
-  const auto narrow = slots.download();
-  EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slot elements differ";
+  for (const int64_t N : {H, int64_t{512}}) {
+    ASSERT_EQ(N % 256, 0) << "the wide kDown tiles need N % 256 == 0";
+    Mat a, w2, slots;
+    cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
+    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+    run(g);
+    const auto wide = slots.download();
+    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+    g.narrow_tiles = true;
+    run(g);
+    const auto narrow = slots.download();
+    EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slots differ, N = " << N;
+  }
 }
 
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {
