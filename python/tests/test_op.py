@@ -43,6 +43,9 @@ def test_bf16_on_cpu_emulates_the_gpu_rounding():
 def test_opcheck():
     x, idx, w, w13, w2 = random_inputs(T=5)
     torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, NO_FP8, False, "bf16", True, False))
+    # fp8_lookup (the compiled path's in-op cache look-up) is a no-op off CUDA
+    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default,
+                          (x, idx, w, w13, w2, NO_FP8, False, "bf16", True, False, True))
 
 
 def test_interleaved_calls_of_different_sizes_are_exact():
@@ -433,6 +436,42 @@ def test_cuda_fp8_weights_are_quantised_once_per_optimizer_step(monkeypatch):
     assert fills == ["fp8_bwd"]  # no cache: the backward quantises its own (the bf16 forward reads none)
 
 
+@cuda_only
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_cuda_fp8_weights_are_cached_under_torch_compile(monkeypatch, precision):
+    # Compiled (fullgraph, with checkpointing: forward, recomputed forward,
+    # backward), the ops look the layer's FP8 weights up in their bodies:
+    # one fill per optimizer step, as in eager mode, and eager's results.
+    from megamoe import ops
+    torch._dynamo.reset()
+    fills = []
+    real_fill = ops.fill_fp8_weights
+    monkeypatch.setattr(ops, "fill_fp8_weights", lambda *a: (fills.append(a[-1]), real_fill(*a))[1])
+    torch.manual_seed(0)
+    layer = megamoe.MoE(256, 128, 8, 2, precision=precision, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    compiled = torch.compile(lambda h: checkpoint(layer, h, use_reentrant=False), backend="aot_eager",
+                             fullgraph=True)
+    h = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(fn):
+        hh = h.detach().clone().requires_grad_()
+        y = fn(hh)
+        y.float().square().sum().backward()
+        return y.detach(), hh.grad
+
+    y1, g1 = step(compiled)
+    assert fills == [precision], fills  # one fill, shared by the forward, its recomputation and the backward
+    y1e, g1e = step(layer)  # eager on the same weights: the same cache, no fill, the same results
+    assert fills == [precision] and torch.equal(y1, y1e) and torch.equal(g1, g1e)
+    step(compiled)
+    assert len(fills) == 1
+    opt.step()
+    opt.zero_grad()
+    step(compiled)
+    assert len(fills) == 2  # new weights, quantised once
+
+
 def test_fp8_weight_bytes_hold_both_orientations_and_the_scales():
     H, I, E = 2048, 768, 128
     scales = 4 * E * (2 * I // 128) * (H // 128) + 4 * E * (H // 128) * (I // 128)
@@ -467,3 +506,57 @@ def test_modules_pass_the_fp8_weight_cache_choice_through(monkeypatch):
     assert seen[-1]["fp8_scale"] == "pow2"
     megamoe.MoE(64, 32, 4, 2)(torch.randn(3, 64))
     assert seen[-1]["fp8_weight_cache"] is True and seen[-1]["fp8_scale"] == "fp32"  # the defaults
+
+
+# What the compiled FP8 weight cache relies on (ops.py, "FP8 weights"): under
+# torch.compile a custom op's body receives the parameters themselves (their
+# storage and version counter), forward and backward, so the cache's keys
+# see optimizer steps. A PyTorch that passed copies instead would make the
+# compiled cache miss on every call: this test says so first.
+@torch.library.custom_op("megamoe_test::seen_weight", mutates_args=())
+def _seen_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _SEEN.append(("fwd", w.data_ptr(), w._version))
+    return x @ w
+
+
+@_seen_weight.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("megamoe_test::seen_weight_bwd", mutates_args=())
+def _seen_weight_bwd(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _SEEN.append(("bwd", w.data_ptr(), w._version))
+    return g @ w.t()
+
+
+@_seen_weight_bwd.register_fake
+def _(g, w):
+    return g.new_empty(g.shape[0], w.shape[0])
+
+
+def _seen_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _seen_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    return _seen_weight_bwd(g, w), x.t() @ g
+
+
+_seen_weight.register_autograd(_seen_backward, setup_context=_seen_setup)
+_SEEN: list = []
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_ops_see_the_parameters_themselves(backend):
+    torch._dynamo.reset()
+    _SEEN.clear()
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    fn = torch.compile(lambda x: torch.relu(_seen_weight(x, w.to(torch.float32))), backend=backend, fullgraph=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(2):
+        fn(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        opt.step()
+    assert _SEEN == [("fwd", w.data_ptr(), 0), ("bwd", w.data_ptr(), 0), ("fwd", w.data_ptr(), 1),
+                     ("bwd", w.data_ptr(), 1)], _SEEN
