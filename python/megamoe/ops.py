@@ -130,11 +130,14 @@ def memory_stats() -> dict:
 # an optimizer step; call invalidate_fp8_weights() after those.
 # Under torch.compile the look-up cannot be traced (data pointers, version
 # counters, attributes), so it moves into the ops' bodies, which run eagerly
-# at run time (`fp8_lookup`): there the weights are the parameters themselves
-# (measured on PyTorch 2.11: the same objects and version counters as in
-# eager mode), and the cache works as in eager mode. Weights converted in the
-# traced code (fp32 parameters, bf16 compute) arrive as fresh tensors: those
-# miss the cache and are quantised every call, as without it.
+# at run time (`fp8_lookup`): there bf16 parameters arrive as the Parameter
+# objects themselves (tests/test_op.py checks it, under aot_eager and
+# inductor, with checkpointing), and the cache works as in eager mode. Only
+# Parameters are cached there: weights made in the compiled code (fp32
+# parameters with bf16 compute) arrive in the compiler's buffers, which it
+# reuses from layer to layer at the same address and version, so a key on
+# them could match another layer's weights; those are quantised for the
+# call alone, as without the cache.
 _FP8_BYTES = [0]      # bytes of the FP8 weight buffers alive
 _FP8_GENERATION = [0]  # bumped after every optimizer step and by invalidate_fp8_weights()
 
@@ -292,8 +295,10 @@ def _(w13, w2, fp8_weights, precision):
 
 
 def _looked_up_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str) -> torch.Tensor:
-    """Inside an op's body (fp8_lookup): the layer's cached FP8 weights, filled if stale."""
-    return _filled_fp8_weights(w13, w2, w13, w2, precision, _fp8_bytes(w13, precision), True)[0]
+    """Inside an op's body (fp8_lookup): the layer's cached FP8 weights, filled if stale; for weights
+    that are not Parameters (made in the compiled code) a buffer of this call's own."""
+    cache = isinstance(w13, torch.nn.Parameter) and isinstance(w2, torch.nn.Parameter)
+    return _filled_fp8_weights(w13, w2, w13, w2, precision, _fp8_bytes(w13, precision), cache)[0]
 
 
 @torch.library.custom_op("megamoe::moe_fwd", mutates_args=())
@@ -341,7 +346,7 @@ def _(x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save
 def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, fp8_weights: torch.Tensor, precision: str,
             validate: bool, fp8_lookup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if fp8_lookup and x.is_cuda:  # the forward's look-up again (same weights: no refill)
+    if fp8_lookup and x.is_cuda and _precision(precision) in ("fp8", "fp8_bwd"):  # the forward's again: no refill
         fp8_weights = _looked_up_fp8_weights(w13, w2, precision)
     dy, x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (dy, x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
@@ -470,9 +475,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     between calls, quantised again only after they change (see "FP8 weights"
     in megamoe/ops.py); False: quantise them in every forward and backward and
     keep nothing. Not kept (as False) for inference tensors, nor under
-    torch.compile for weights converted in the compiled code (fp32
-    parameters with bf16 compute); under CUDA graph capture the
-    quantisation is captured.
+    torch.compile for weights that are not Parameters when they reach the
+    op (fp32 parameters converted to bf16 in the compiled code); under CUDA
+    graph capture the quantisation is captured.
     fp8_scale (fp8 / fp8_bwd): the block scales, "fp32" (amax / 448) or "pow2"
     (the power of two at or above it; then kDownGrad's epilogue quantises dz,
     without a pass over it).
