@@ -10,9 +10,8 @@ process (this script with --child), built and stepped by megamoe.train
   mega_moe_fp8_bwd    the same with precision "fp8_bwd" (opt-in)
   mega_moe_compile    megamoe's experts, every decoder layer under torch.compile
                       (trainer.compile; megamoe's ops opaque inside the graph)
-  mega_moe_fp8_compile  the same with precision "fp8" (under torch.compile the FP8
-                      weights are quantised in every forward and again in the backward:
-                      the per-step cache cannot be traced)
+  mega_moe_fp8_compile  the same with precision "fp8" (its FP8 weights cached once per
+                      optimizer step, looked up inside megamoe's ops)
   grouped_mm          transformers' grouped_mm experts implementation, eager
   grouped_mm_compile  the same, every decoder layer under torch.compile (the trainer's
                       trainer.compile: one compiled graph reused by all layers)

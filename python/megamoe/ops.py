@@ -128,6 +128,16 @@ def memory_stats() -> dict:
 # optimizers (AdamW(fused=True)) update parameters without bumping their
 # version counters. Not seen: writes through `.data` or raw pointers outside
 # an optimizer step; call invalidate_fp8_weights() after those.
+# Under torch.compile the look-up cannot be traced (data pointers, version
+# counters, attributes), so it moves into the ops' bodies, which run eagerly
+# at run time (`fp8_lookup`): there bf16 parameters arrive as the Parameter
+# objects themselves (tests/test_op.py checks it, under aot_eager and
+# inductor, with checkpointing), and the cache works as in eager mode. Only
+# Parameters are cached there: weights made in the compiled code (fp32
+# parameters with bf16 compute) arrive in the compiler's buffers, which it
+# reuses from layer to layer at the same address and version, so a key on
+# them could match another layer's weights; those are quantised for the
+# call alone, as without the cache.
 _FP8_BYTES = [0]      # bytes of the FP8 weight buffers alive
 _FP8_GENERATION = [0]  # bumped after every optimizer step and by invalidate_fp8_weights()
 
@@ -284,12 +294,23 @@ def _(w13, w2, fp8_weights, precision):
     return None
 
 
+def _looked_up_fp8_weights(w13: torch.Tensor, w2: torch.Tensor, precision: str) -> torch.Tensor:
+    """Inside an op's body (fp8_lookup): the layer's cached FP8 weights, filled if stale; for weights
+    that are not Parameters (made in the compiled code) a buffer of this call's own."""
+    cache = isinstance(w13, torch.nn.Parameter) and isinstance(w2, torch.nn.Parameter)
+    return _filled_fp8_weights(w13, w2, w13, w2, precision, _fp8_bytes(w13, precision), cache)[0]
+
+
 @torch.library.custom_op("megamoe::moe_fwd", mutates_args=())
 def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
             w2: torch.Tensor, fp8_weights: torch.Tensor, fp8_kept: bool, precision: str, save_state: bool,
-            validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            validate: bool, fp8_lookup: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_weights: the layer's FP8 weight buffer, filled (empty for bf16); fp8_kept: the layer keeps it
-    after this call (so the backward reads it), else the backward fills one of its own."""
+    after this call (so the backward reads it), else the backward fills one of its own. fp8_lookup (under
+    torch.compile, CUDA, fp8 / fp8_bwd): fp8_weights is empty and the layer's cache is looked up here, and
+    again by the backward."""
+    if fp8_lookup and x.is_cuda and _precision(precision) == "fp8":  # fp8_bwd's forward reads none
+        fp8_weights = _looked_up_fp8_weights(w13, w2, precision)
     x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
@@ -314,7 +335,7 @@ def moe_fwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
 
 
 @moe_fwd.register_fake
-def _(x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate):
+def _(x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate, fp8_lookup=False):
     H, I, E, k = _dims(x, topk_idx, w13)
     keep = save_state and x.device.type == "cuda"
     n = saved_bytes(x.shape[0], H, I, E, k) if keep else 0
@@ -324,7 +345,9 @@ def _(x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save
 @torch.library.custom_op("megamoe::moe_bwd", mutates_args=())
 def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, fp8_weights: torch.Tensor, precision: str,
-            validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            validate: bool, fp8_lookup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if fp8_lookup and x.is_cuda and _precision(precision) in ("fp8", "fp8_bwd"):  # the forward's again: no refill
+        fp8_weights = _looked_up_fp8_weights(w13, w2, precision)
     dy, x, topk_idx, topk_weights, w13, w2 = (t.contiguous() for t in (dy, x, topk_idx, topk_weights, w13, w2))
     H, I, E, k = _dims(x, topk_idx, w13)
     T = x.shape[0]
@@ -347,7 +370,7 @@ def moe_bwd(dy: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
 
 
 @moe_bwd.register_fake
-def _(dy, x, topk_idx, topk_weights, w13, w2, saved, fp8_weights, precision, validate):
+def _(dy, x, topk_idx, topk_weights, w13, w2, saved, fp8_weights, precision, validate, fp8_lookup=False):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2))
 
 
@@ -360,9 +383,9 @@ class _nullcontext:
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate = inputs
+    x, topk_idx, topk_weights, w13, w2, fp8_weights, fp8_kept, precision, save_state, validate, fp8_lookup = inputs
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, output[1])
-    ctx.precision, ctx.validate = precision, validate
+    ctx.precision, ctx.validate, ctx.fp8_lookup = precision, validate, fp8_lookup
     # FP8 weights: a kept buffer is current for the backward (autograd runs it before any optimizer
     # step); it is held as a plain reference, not saved: a later forward of the same layer may
     # refill it (same weights), which bumps its version. A buffer of the forward's own is not held:
@@ -376,16 +399,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, _dsaved):
     if dy is None:  # y did not reach the loss: nothing flows back
-        return (None,) * 10
+        return (None,) * 11
     x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
     fp8_weights = ctx.fp8_weights  # kept by the layer: current
-    if fp8_weights is None:  # bf16 (empty), or a buffer of this call's own, filled here
+    if ctx.fp8_lookup:  # the op looks the layer's buffer up itself
+        fp8_weights = x.new_empty(0, dtype=torch.uint8)
+    elif fp8_weights is None:  # bf16 (empty), or a buffer of this call's own, filled here
         fp8_weights = x.new_empty(ctx.fp8_bytes, dtype=torch.uint8)
         if ctx.fp8_bytes > 0:
             fill_fp8_weights(w13, w2, fp8_weights, ctx.precision)
     dx, dtw, dw13, dw2 = moe_bwd(dy.contiguous(), x, topk_idx, topk_weights, w13, w2, saved, fp8_weights,
-                                 ctx.precision, ctx.validate)
-    return dx, None, dtw, dw13, dw2, None, None, None, None, None
+                                 ctx.precision, ctx.validate, ctx.fp8_lookup)
+    return dx, None, dtw, dw13, dw2, None, None, None, None, None, None
 
 
 moe_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -449,8 +474,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     fp8_weight_cache (fp8 / fp8_bwd on CUDA): keep this layer's weights in e4m3
     between calls, quantised again only after they change (see "FP8 weights"
     in megamoe/ops.py); False: quantise them in every forward and backward and
-    keep nothing. Not kept (as False) under torch.compile and for inference
-    tensors; under CUDA graph capture the quantisation is captured.
+    keep nothing. Not kept (as False) for inference tensors, nor under
+    torch.compile for weights that are not Parameters when they reach the
+    op (fp32 parameters converted to bf16 in the compiled code); under CUDA
+    graph capture the quantisation is captured.
     fp8_scale (fp8 / fp8_bwd): the block scales, "fp32" (amax / 448) or "pow2"
     (the power of two at or above it; then kDownGrad's epilogue quantises dz,
     without a pass over it).
@@ -482,9 +509,13 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     fp8_weights, fp8_kept = x.new_empty(0, dtype=torch.uint8), False
     # fp8 reads the FP8 weights in the forward; fp8_bwd only in its backward (filled here if kept).
     recipe = _recipe(precision, fp8_scale)
-    if x.is_cuda and (precision == "fp8" or (precision == "fp8_bwd" and fp8_weight_cache and needs_grad)):
+    # Under torch.compile the ops look the cache up themselves (see "FP8 weights" above).
+    fp8_lookup = (x.is_cuda and fp8_weight_cache and precision in ("fp8", "fp8_bwd") and
+                  torch.compiler.is_compiling())
+    if x.is_cuda and not fp8_lookup and (precision == "fp8" or
+                                         (precision == "fp8_bwd" and fp8_weight_cache and needs_grad)):
         fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, recipe,
                                                     _fp8_bytes(w13, recipe), fp8_weight_cache)
     y, _ = moe_fwd(x.to(compute), topk_idx, topk_weights.to(wdtype), w13c, w2c, fp8_weights, fp8_kept,
-                   recipe, needs_grad and save == "keep", validate)
+                   recipe, needs_grad and save == "keep", validate, fp8_lookup)
     return y.to(orig)

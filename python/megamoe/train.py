@@ -367,9 +367,6 @@ def train(cfg: TrainConfig, out=None) -> list[dict]:
     print(f"megamoe.train: preset {cfg.preset}, {cfg.num_layers} layers, dispatch {cfg.dispatch} ({_numerics(cfg)}), "
           f"{device}, {cfg.dtype}, batch {cfg.batch_size} x {cfg.seq_len}, checkpointing {cfg.activation_checkpointing}"
           + (", decoder layers compiled" if cfg.compile else ""), file=out)
-    if cfg.compile and cfg.dispatch == "mega_moe" and cfg.precision in ("fp8", "fp8_bwd") and device.type == "cuda":
-        print("megamoe.train: note: under trainer.compile the FP8 weights are quantised in every forward and "
-              "backward, not once per optimizer step (the weight cache cannot be traced)", file=out)
     for step in range(1, cfg.steps + 1):
         inputs, labels = next(it)
         if device.type == "cuda":

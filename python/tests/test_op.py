@@ -43,6 +43,9 @@ def test_bf16_on_cpu_emulates_the_gpu_rounding():
 def test_opcheck():
     x, idx, w, w13, w2 = random_inputs(T=5)
     torch.library.opcheck(torch.ops.megamoe.moe_fwd.default, (x, idx, w, w13, w2, NO_FP8, False, "bf16", True, False))
+    # fp8_lookup (the compiled path's in-op cache look-up) is a no-op off CUDA
+    torch.library.opcheck(torch.ops.megamoe.moe_fwd.default,
+                          (x, idx, w, w13, w2, NO_FP8, False, "bf16", True, False, True))
 
 
 def test_interleaved_calls_of_different_sizes_are_exact():
@@ -433,6 +436,57 @@ def test_cuda_fp8_weights_are_quantised_once_per_optimizer_step(monkeypatch):
     assert fills == ["fp8_bwd"]  # no cache: the backward quantises its own (the bf16 forward reads none)
 
 
+@cuda_only
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_cuda_fp8_weights_are_cached_under_torch_compile(monkeypatch, precision, backend):
+    # Compiled (fullgraph, with checkpointing: forward, recomputed forward,
+    # backward), the ops look the layer's FP8 weights up in their bodies: one
+    # fill per optimizer step, as in eager mode, and the results of weights
+    # quantised afresh (the cache off), before and after a step.
+    from megamoe import ops
+    torch._dynamo.reset()
+    fills = []
+    real_fill = ops.fill_fp8_weights
+    monkeypatch.setattr(ops, "fill_fp8_weights", lambda *a: (fills.append(a[-1]), real_fill(*a))[1])
+    torch.manual_seed(0)
+    layer = megamoe.MoE(256, 128, 8, 2, precision=precision, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    compiled = torch.compile(lambda h: checkpoint(layer, h, use_reentrant=False), backend=backend, fullgraph=True)
+    h = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(fn):
+        hh = h.detach().clone().requires_grad_()
+        y = fn(hh)
+        y.float().square().sum().backward()
+        return y.detach(), hh.grad
+
+    def fresh():  # eager, the cache off: this call quantises the current weights itself
+        layer.experts._megamoe_config["fp8_weight_cache"] = False
+        try:
+            return step(layer)
+        finally:
+            layer.experts._megamoe_config["fp8_weight_cache"] = True
+
+    for round_ in range(2):
+        fills.clear()
+        y, g = step(compiled)
+        assert fills == [precision], fills  # one fill, for the forward, its recomputation and the backward
+        layer.zero_grad()
+        step(compiled)
+        assert fills == [precision]  # the same weights: no refill
+        layer.zero_grad()
+        y_ref, g_ref = fresh()
+        if backend == "aot_eager":  # the same kernels on the same values: the same bits
+            assert torch.equal(y, y_ref) and torch.equal(g, g_ref), round_
+        else:  # inductor's router may round differently; stale weights would be off by far more (lr 1e-2)
+            torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-3)
+            torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-3)
+        if round_ == 0:
+            opt.step()  # new weights: the next compiled call quantises them once
+        layer.zero_grad()
+
+
 def test_fp8_weight_bytes_hold_both_orientations_and_the_scales():
     H, I, E = 2048, 768, 128
     scales = 4 * E * (2 * I // 128) * (H // 128) + 4 * E * (H // 128) * (I // 128)
@@ -467,3 +521,71 @@ def test_modules_pass_the_fp8_weight_cache_choice_through(monkeypatch):
     assert seen[-1]["fp8_scale"] == "pow2"
     megamoe.MoE(64, 32, 4, 2)(torch.randn(3, 64))
     assert seen[-1]["fp8_weight_cache"] is True and seen[-1]["fp8_scale"] == "fp32"  # the defaults
+
+
+# What the compiled FP8 weight cache relies on (ops.py, "FP8 weights"): under
+# torch.compile a custom op's body receives the bf16 parameters as the
+# Parameter objects themselves, forward, recomputed forward (checkpointing)
+# and backward, with their version counters, so the cache sees optimizer
+# steps. A PyTorch that passed copies or plain aliases would make the
+# compiled cache miss on every call: this test says so first.
+@torch.library.custom_op("megamoe_test::seen_weight", mutates_args=())
+def _seen_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _SEEN.append(("fwd", w, w._version))
+    return x @ w
+
+
+@_seen_weight.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("megamoe_test::seen_weight_bwd", mutates_args=())
+def _seen_weight_bwd(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _SEEN.append(("bwd", w, w._version))
+    return g @ w.t()
+
+
+@_seen_weight_bwd.register_fake
+def _(g, w):
+    return g.new_empty(g.shape[0], w.shape[0])
+
+
+def _seen_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _seen_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    return _seen_weight_bwd(g, w), x.t() @ g
+
+
+_seen_weight.register_autograd(_seen_backward, setup_context=_seen_setup)
+_SEEN: list = []
+
+
+class _SeenLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return torch.relu(_seen_weight(x, self.w.to(torch.bfloat16)))  # megamoe.moe's w13.to(compute)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_ops_see_the_parameters_themselves(backend, checkpointing):
+    torch._dynamo.reset()
+    _SEEN.clear()
+    layer = _SeenLayer()
+    fn = (lambda x: checkpoint(layer, x, use_reentrant=False)) if checkpointing else layer
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(2):
+        compiled(torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+        opt.step()
+    calls = ["fwd", "fwd", "bwd"] if checkpointing else ["fwd", "bwd"]
+    assert [c for c, _, _ in _SEEN] == calls * 2, _SEEN
+    assert all(w is layer.w for _, w, _ in _SEEN), [type(w) for _, w, _ in _SEEN]
+    assert [v for _, _, v in _SEEN] == [0] * len(calls) + [1] * len(calls)
