@@ -468,6 +468,10 @@ def test_cuda_fp8_weights_are_cached_under_torch_compile(monkeypatch, precision,
         finally:
             layer.experts._megamoe_config["fp8_weight_cache"] = True
 
+    def rel(a, b):  # relative Frobenius distance
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    g_before = None
     for round_ in range(2):
         fills.clear()
         y, g = step(compiled)
@@ -479,9 +483,12 @@ def test_cuda_fp8_weights_are_cached_under_torch_compile(monkeypatch, precision,
         y_ref, g_ref = fresh()
         if backend == "aot_eager":  # the same kernels on the same values: the same bits
             assert torch.equal(y, y_ref) and torch.equal(g, g_ref), round_
-        else:  # inductor's router may round differently; stale weights would be off by far more (lr 1e-2)
-            torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-3)
-            torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-3)
+        else:  # inductor's router may round differently, and a few e4m3 roundings flip with it
+            # (measured: 2 of 16384 dx elements one bf16 step apart); stale weights move far more
+            assert rel(y, y_ref) < 5e-3 and rel(g, g_ref) < 5e-3, (round_, rel(y, y_ref), rel(g, g_ref))
+            if g_before is not None:  # the step moved dx 10x further than any rounding flip
+                assert rel(g, g_ref) < 0.1 * rel(g_before, g_ref), (rel(g, g_ref), rel(g_before, g_ref))
+        g_before = g
         if round_ == 0:
             opt.step()  # new weights: the next compiled call quantises them once
         layer.zero_grad()
