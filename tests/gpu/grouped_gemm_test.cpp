@@ -199,6 +199,13 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     }
   }
 
+  // A stage iteration CTA 0 reaches in an M-grouped launch of `tiles` tiles
+  // of `k_blocks` each (past the first ring wrap when it has that many): at
+  // least one CTA stalls there, and every CTA that stalls does so at it.
+  int64_t stall_iteration(int64_t tiles, int64_t k_blocks) const {
+    return std::min<int64_t>(9, (tiles + sms - 1) / sms * k_blocks - 1);
+  }
+
   // A kGateUp launch: random x pool [C, H] and w13 [E*2I, H], z [C, 2I] and a [C, I] out.
   cuda::GroupedGemmArgs gate_up_problem(Mat& x, Mat& w13, Mat& z, Mat& a) {
     random_pool(x, H, 1);
@@ -1237,12 +1244,7 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
   g.narrow_tiles = true;  // the ping-pong consumers (the wide tiles: the next test)
-  // CTA 0 walks the most tiles; stall at a stage iteration it reaches (past
-  // the first ring wrap when it has that many), so at least one CTA stalls
-  // and every CTA that stalls does so at the same iteration.
-  const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 64;
-  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
-  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  const int64_t stall = stall_iteration(pool_rows / 128 * (H / 128), I / 64);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
                         {"grouped GEMM kDown,", "block ", "full barrier", "phase " + std::to_string(stall) + " ",
@@ -1264,9 +1266,7 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
 TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
   Mat x, w13, z, a;
   cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  const int64_t tiles = pool_rows / 128 * (I / 128), k_blocks = H / 64;
-  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
-  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
                         {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
@@ -1287,9 +1287,7 @@ TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
 TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
-  const int64_t tiles = pool_rows / 128 * (H / 256), k_blocks = I / 64;
-  const int64_t cta0_iterations = (tiles + sms - 1) / sms * k_blocks;
-  const int64_t stall = std::min<int64_t>(9, cta0_iterations - 1);
+  const int64_t stall = stall_iteration(pool_rows / 128 * (H / 256), I / 64);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
                         {"grouped GEMM kDown (128 x 256 tiles),", "block ", "full barrier",
