@@ -288,6 +288,52 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, H);
   }
 
+  // Gathered rows (GroupedGemmArgs::gather): random token rows [T, cols], and
+  // the pool gather_rows makes of them (pool row r: token row row_src[r] / k;
+  // padding rows zero).
+  void token_rows_and_pool(Mat& tok, Mat& pool, int64_t cols, uint64_t stream) {
+    random_mat(tok, T, cols, 1.0, stream);
+    pool.make(C, cols);
+    for (int64_t r = 0; r < pool_rows; ++r)
+      if (row_src[r] >= 0) std::copy_n(&tok.host[row_src[r] / k * cols], cols, &pool.host[r * cols]);
+    pool.upload();
+  }
+  // `g` gathering `tok`'s rows (the operand `which`), then reading the pool
+  // instead, each on outputs filled with 0xFF: every byte must come out the
+  // same, and the gathered run must have written some.
+  void expect_gathered_bitwise(cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which, const Mat& tok,
+                               const Mat& pool, const std::vector<std::pair<void*, size_t>>& outs) {
+    auto fill = [&] {
+      for (const auto& o : outs) EXPECT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
+    };
+    auto snapshot = [&] {
+      std::vector<std::vector<uint8_t>> v;
+      for (const auto& o : outs) {
+        v.emplace_back(o.second);
+        EXPECT_EQ(cudaMemcpy(v.back().data(), o.first, o.second, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      return v;
+    };
+    const bool a = which == cuda::GroupedGemmArgs::Gather::kA;
+    (a ? g.a : g.b) = tok.dev.view().data;
+    g.gather = which, g.gather_tokens = T;
+    fill();
+    run(g);
+    const auto gathered = snapshot();
+    (a ? g.a : g.b) = pool.dev.view().data;
+    g.gather = cuda::GroupedGemmArgs::Gather::kNone;
+    fill();
+    run(g);
+    const auto pooled = snapshot();
+    for (size_t i = 0; i < outs.size(); ++i) {
+      int64_t differ = 0;
+      for (size_t b = 0; b < outs[i].second; ++b) differ += gathered[i][b] != pooled[i][b];
+      EXPECT_EQ(differ, 0) << "output " << i << ": bytes that differ with gathered rows";
+      EXPECT_TRUE(std::any_of(gathered[i].begin(), gathered[i].end(), [](uint8_t b) { return b != 0xFF; }))
+          << "output " << i << " was not written";
+    }
+  }
+
   // I = 256: kDownGrad and kWeightGrad (N = I) get two column tiles.
   const int64_t T = 300, H = 256, I = 256;
   const int E = 4, k = 2;
@@ -1121,6 +1167,81 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
   EXPECT_EQ(w_differ, 0) << "kWeightGrad";
 }
 
+// Gathered rows against the pool gather_rows makes: kGateUp's x rows, in the
+// 128 x 256 tiles and the 128 x 128 ones.
+TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
+  Mat x, w13, z, a, tok;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+  token_rows_and_pool(tok, x, H, 21);
+  const std::vector<std::pair<void*, size_t>> outs = {{z.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
+                                                       {a.dev.view().data, static_cast<size_t>(C * I * 2)}};
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
+  g.narrow_tiles = true;
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
+}
+
+// kDownGrad's dy rows: dz, w a and the d topk_w partials.
+TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
+  Mat dy, w2, z, dz, wa, tok;
+  DeviceTensor dw_partial;
+  cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
+  token_rows_and_pool(tok, dy, H, 22);
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy,
+                          {{dz.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
+                           {wa.dev.view().data, static_cast<size_t>(C * I * 2)},
+                           {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}});
+}
+
+// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), in CTA pairs and
+// one CTA a tile. The other operand's padding rows are nonzero: a gathered
+// padding row that is not zero shows.
+TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
+  Mat pa, pb, tok_a, tok_b, other_a, other_b;
+  token_rows_and_pool(tok_a, pa, H, 23);
+  token_rows_and_pool(tok_b, pb, I, 24);
+  random_mat(other_a, C, H, 1.0, 25);  // every row random, padding included
+  random_mat(other_b, C, I, 1.0, 26);
+  for (const bool pairs : {true, false}) {
+    DeviceTensor out;
+    cuda::GroupedGemmArgs g = weight_grad_problem(pa, other_b, out);
+    g.pair_ctas = pairs;
+    const std::vector<std::pair<void*, size_t>> outs = {{out.view().data, static_cast<size_t>(E * H * I * 4)}};
+    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok_a, pa, outs);
+    g = weight_grad_problem(other_a, pb, out);
+    g.pair_ctas = pairs;
+    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb, outs);
+  }
+}
+
+// What the gathering kernels do not cover is refused on the host.
+TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
+  Mat x, w13, z, a, tok;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+  token_rows_and_pool(tok, x, H, 21);
+  g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+  auto expect_refused = [&](cuda::GroupedGemmArgs bad, const char* why) {
+    const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << why << ": " << st.to_string();
+    EXPECT_NE(st.message().find("gathered rows"), std::string::npos) << why << ": " << st.to_string();
+  };
+  cuda::GroupedGemmArgs bad = g;
+  bad.gather = cuda::GroupedGemmArgs::Gather::kB;
+  expect_refused(bad, "B of kGateUp");
+  bad = g, bad.gather_tokens = 0;
+  expect_refused(bad, "no token count");
+  bad = g, bad.plan.row_src = nullptr;
+  expect_refused(bad, "no row_src");
+  bad = g, bad.fp8 = true;
+  expect_refused(bad, "FP8");
+  Mat dy, w2, zz, dz, wa;
+  DeviceTensor dw_partial;
+  bad = down_grad_problem(dy, w2, zz, dz, wa, dw_partial);
+  bad.gather = cuda::GroupedGemmArgs::Gather::kA, bad.gather_tokens = T, bad.b_k_major = true;
+  bad.b_rows = E * I, bad.b_cols = H;
+  expect_refused(bad, "kDownGrad with B K-major");
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
+}
+
 // Expert parallelism's ordering contract (GroupedGemmArgs::rows_ready): the x
 // pool starts as NaN, and a kernel on another stream delivers its row tiles
 // late (0.5 ms apart) and in reverse order, release-storing each tile's
@@ -1307,6 +1428,27 @@ TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
 // thread per ring): ring 0's producer stops at the iteration, ring 1's runs
 // on; the report's wait and phase are checked as loosely as when one
 // producer served both rings.
+// A gathering producer warp (its lanes leave together) stalled: the
+// consumers' full waits give up and report; the same call without the stall
+// then equals the pool's result.
+TEST_P(GroupedGemm, StalledGatheringProducerTimesOutAndReports) {
+  Mat x, w13, z, a, tok;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+  token_rows_and_pool(tok, x, H, 21);
+  g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  run(g);
+  const auto z_gathered = z.download();
+  g.a = x.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kNone;
+  run(g);
+  EXPECT_EQ(std::memcmp(z.download().data(), z_gathered.data(), z_gathered.size() * sizeof(float)), 0) << "z";
+}
+
 TEST_P(GroupedGemm, StalledFp8PipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);

@@ -187,6 +187,9 @@ struct KernelParams {
   int k_blocks;  // M-grouped modes: k / elements per k-block (64 bf16, 128 e4m3: one 128-byte box row)
 };
 
+// The kernel's gathered operand (GroupedGemmArgs::gather), as a template int.
+inline constexpr int kGatherNone = 0, kGatherA = 1, kGatherB = 2;
+
 // FP8: elements per k-block (one 128-byte swizzle row of e4m3).
 inline constexpr int kBlockKFp8 = 128;
 

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <atomic>
 #include <string>
 #include <type_traits>
@@ -42,7 +43,8 @@ using namespace engine;
 // kWide (bf16; the kernel's 128 x 256 tiles): kGateUp's 128 gate rows into B
 // boxes 0-1 and the matching 128 up rows into boxes 2-3; kDown's 256 rows of
 // expert e's w2 (output columns 256n..) into boxes 0-3.
-template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false>
+// kGather: the operand the producer warp gathers row by row (gather_rows_into_stage) is skipped here.
+template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false, int kGather = kGatherNone>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
                                            uint8_t* smem_b, uint64_t* full, uint32_t rank) {
@@ -57,13 +59,17 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
     const int a_row = box == 1 && !tile.lower_half_used ? static_cast<int>(p.args.a_rows) : tile.m * kBlockM + box * 64;
     constexpr bool kAMn = T::kAMnMajor && !kFp8;  // FP8 kWeightGrad reads A^T, K-major
     const int c0 = kAMn ? a_row : k0, c1 = kAMn ? k0 : a_row;
-    if constexpr (kPair) {
+    if constexpr (kGather == kGatherA) {
+      // gathered by the producer warp
+    } else if constexpr (kPair) {
       if (box == static_cast<int>(rank)) tma_load_2d_multicast(smem_a + box * kBoxBytes, map_a, full, c0, c1, 0b11);
     } else {
       tma_load_2d(smem_a + box * kBoxBytes, map_a, full, c0, c1);
     }
     // B
-    if constexpr (M == GemmMode::kGateUp && kWide) {  // gate rows 128n + 64 box, and their up rows
+    if constexpr (kGather == kGatherB) {
+      static_assert(M == GemmMode::kWeightGrad, "B is gathered in kWeightGrad only");
+    } else if constexpr (M == GemmMode::kGateUp && kWide) {  // gate rows 128n + 64 box, and their up rows
       const int row = e * 2 * I + tile.n * 128 + box * 64;
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, row);
       tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, k0, row + I);
@@ -87,6 +93,54 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64,
                   e * static_cast<int>(p.args.k) + k0);
     }
+  }
+}
+
+// The gathered operand's part of a stage, by the 32 lanes of the producer
+// warp (GroupedGemmArgs::gather): each 128-byte row of the operand's boxes
+// is one TMA row load from a token row (the row map of map_g), into the
+// place a 64-row box load would put it. `tok[i]`: the token row of this
+// lane's i-th row (gather_tokens for a padding row: out of bounds, zeros).
+// M-grouped (K-major A): tile row r = lane + 32 i (i < 4) of the two boxes,
+// its k-block's 64 columns. kWeightGrad (MN-major, K = pool rows): pool row
+// k0 + lane + 32 i (i < 2) of both boxes, the tile's 128 columns in two
+// 64-column halves; a pair's A goes by multicast, box `rank` from each CTA.
+template <GemmMode M, int kGather, bool kPair>
+__device__ __forceinline__ void gather_rows_into_stage(const CUtensorMap* map_g, const Tile& tile, int kb,
+                                                       uint8_t* smem_g, uint64_t* full, uint32_t rank,
+                                                       const int (&tok)[4]) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if constexpr (M == GemmMode::kWeightGrad) {
+    const int c0 = (kGather == kGatherA ? tile.m : tile.n) * kBlockN;
+#pragma unroll
+    for (int box = 0; box < 2; ++box) {
+      if (kPair && kGather == kGatherA && box != static_cast<int>(rank)) continue;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        uint8_t* dst = smem_g + box * kBoxBytes + (lane + 32 * i) * 128;
+        if constexpr (kPair && kGather == kGatherA) {
+          tma_load_2d_multicast(dst, map_g, full, c0 + box * 64, tok[i], 0b11);
+        } else {
+          tma_load_2d(dst, map_g, full, c0 + box * 64, tok[i]);
+        }
+      }
+    }
+  } else {
+    const int k0 = kb * kBlockK;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tma_load_2d(smem_g + (lane + 32 * i) * 128, map_g, full, k0, tok[i]);
+  }
+}
+
+// The token rows of this lane's gathered pool rows (gather_rows_into_stage's
+// tok): pool rows first, first + 32, ... (`n` of them).
+template <int n>
+__device__ __forceinline__ void gather_tokens_of(const KernelParams& p, int64_t first, int (&tok)[4]) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+#pragma unroll
+  for (int i = 0; i < n; ++i) {
+    const int src = __ldg(p.args.plan.row_src + first + lane + 32 * i);
+    tok[i] = src < 0 ? static_cast<int>(p.args.gather_tokens) : src / p.args.plan.top_k;
   }
 }
 
@@ -220,7 +274,10 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // tile at once, consumer c on rows [64c, 64c + 64) with one m64n256k16 a
 // k-step; a stage is released when both have read it. The bare loop of this shape ran 9-13% faster than the
 // 128 x 128 split one in bench/fp8_tile_probe.cu (perf-log, session 31).
-template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing, bool kWide = false>
+// kGather (kGatherA, kGatherB): that operand's rows are gathered from token
+// rows by the producer warp (GroupedGemmArgs::gather); bf16, no row holds.
+template <GemmMode M, bool kPair, bool kHoldRows, bool kBT, bool kFp8, bool kARing, bool kWide = false,
+          int kGather = kGatherNone>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
@@ -236,6 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
   static_assert(!kWide || ((M == GemmMode::kGateUp || M == GemmMode::kDown) && !kFp8 && !kPair && !kHoldRows),
                 "wide tiles: bf16 kGateUp and kDown, one CTA a tile, no row holds");
+  static_assert(kGather == kGatherNone ||
+                    (!kFp8 && !kHoldRows &&
+                     (kGather == kGatherA ? M == GemmMode::kGateUp || (M == GemmMode::kDownGrad && !kBT) ||
+                                                M == GemmMode::kWeightGrad
+                                          : M == GemmMode::kWeightGrad)),
+                "gathered rows: bf16 kGateUp's, kDownGrad's (B as given) and kWeightGrad's A, kWeightGrad's B");
   constexpr int kRowRows = kRowDstRows<kWide>;  // tile rows a consumer's row destinations cover
   constexpr int kStage = kStageBytesOf<kWide>;  // bytes of one ring stage
   using State = PipelineState<S>;
@@ -313,7 +376,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread (on split rings one per ring) issues the TMA loads,
     // tile after tile, in the order the consumers take them. It returns early
     // when a wait gives up or at the fault-injection point (debug_stall_at).
-    if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32)) {
+    // kGather: the whole warp 0, its lane 0 as the producer thread, all lanes gathering rows.
+    if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32) || (kGather != kGatherNone && threadIdx.x < 32)) {
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
@@ -323,7 +387,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr int kScaleBytes = !kRing ? 0 : M == GemmMode::kWeightGrad ? kScaleStageBytes : 512;
         mbar_arrive_expect_tx(full, kStage + kScaleBytes);
         uint8_t* stage = smem + slot * kStage;
-        load_stage<M, kPair, kBT, kFp8, kWide>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full, rank);
+        load_stage<M, kPair, kBT, kFp8, kWide, kGather>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full,
+                                                         rank);
         float* dst = scale_ring + slot * (kScaleStageBytes / 4);
         if constexpr (kRing && M == GemmMode::kWeightGrad) {  // this k-block's 128 row and 128 column scales
           const int64_t rb = tile.k_begin / kBlockKFp8 + kb;
@@ -349,6 +414,36 @@ __global__ void __launch_bounds__(kThreads, 1)
             load(tile, kb, r * R + ps.stage());
           }
         }
+        return;
+      }
+      if constexpr (kGather != kGatherNone) {
+        // Lane 0 waits for the slot, arms its full barrier and loads the other
+        // operand; once it has armed it (__syncwarp) every lane loads its rows.
+        State ps;
+        const bool leader = threadIdx.x == 0;
+        const CUtensorMap* map_g = kGather == kGatherA ? &map_a : &map_b;
+        int tok[4];
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+          const Tile tile = scheduler.tile(t);
+          if constexpr (M != GemmMode::kWeightGrad) gather_tokens_of<4>(p, static_cast<int64_t>(tile.m) * kBlockM, tok);
+          for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
+            // kWeightGrad: K is pool rows, so each k-block gathers rows of its own (read before the wait).
+            if constexpr (M == GemmMode::kWeightGrad) gather_tokens_of<2>(p, tile.k_begin + kb * kBlockK, tok);
+            if (static_cast<int64_t>(ps.it) == stall_at) return;
+            const bool free = __shfl_sync(0xffffffffu, leader ? ring.wait_empty(waits, ps) : false, 0);
+            if (!free) return;
+            if (leader) load(tile, kb, ps.stage());
+            __syncwarp();
+            uint8_t* stage = smem + ps.stage() * kStage;
+            gather_rows_into_stage<M, kGather, kPair>(map_g, tile, kb, kGather == kGatherA ? stage : stage + kTileBytesA,
+                                                      &ring.full[ps.stage()], rank, tok);
+          }
+        }
+        if constexpr (kPair)
+          for (int s = 0; s < S; ++s, ++ps) {
+            const bool free = __shfl_sync(0xffffffffu, leader ? ring.wait_empty(waits, ps) : false, 0);
+            if (!free) return;
+          }
         return;
       }
       State ps;
@@ -526,11 +621,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <GemmMode M, bool kPair, bool kHoldRows, bool kBT = false, bool kFp8 = false, bool kARing = false,
-          bool kWide = false>
+          bool kWide = false, int kGather = kGatherNone>
 Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_z,
                    const CUtensorMap& map_out0, const CUtensorMap& map_out1, const KernelParams& params, int num_sms,
                    cudaStream_t stream) {
-  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8, kARing, kWide>;
+  auto* kernel = grouped_gemm_kernel<M, kPair, kHoldRows, kBT, kFp8, kARing, kWide, kGather>;
   // The register split (engine_config.cuh) shares out a pool of kLaunchRegs per
   // thread; a kernel built with fewer would block in setmaxnreg for good.
   // Asked once per kernel (a failed query is asked again next time).
@@ -589,6 +684,22 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
 }  // namespace
 
 Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream) {
+  using Gather = GroupedGemmArgs::Gather;
+  if (args.gather != Gather::kNone) {
+    if (args.fp8 || args.rows_ready != nullptr)
+      return invalid_argument("grouped GEMM: gathered rows are for bf16 without rows_ready");
+    const bool mode_ok = args.gather == Gather::kA
+                             ? args.mode == GemmMode::kGateUp || args.mode == GemmMode::kWeightGrad ||
+                                   (args.mode == GemmMode::kDownGrad && !args.b_k_major)
+                             : args.mode == GemmMode::kWeightGrad;
+    if (!mode_ok)
+      return invalid_argument("grouped GEMM: gathered rows are kGateUp's, kDownGrad's (B as given) and kWeightGrad's A, "
+                              "and kWeightGrad's B");
+    if (args.plan.row_src == nullptr || args.plan.top_k <= 0 || args.gather_tokens <= 0 ||
+        args.gather_tokens > INT32_MAX - 1)
+      return invalid_argument("grouped GEMM: gathered rows need the plan's row_src and top_k, and 1 to 2^31 - 2 token "
+                              "rows (gather_tokens)");
+  }
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
@@ -678,8 +789,17 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.a, args.a_rows, args.a_cols, &map_a));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.b, args.b_rows, args.b_cols, &map_b));
   } else {
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
-    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+    // A gathered operand: the token rows, one row a box.
+    if (args.gather == Gather::kA) {
+      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_row64(args.a, args.gather_tokens, args.a_cols, &map_a));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
+    }
+    if (args.gather == Gather::kB) {
+      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_row64(args.b, args.gather_tokens, args.b_cols, &map_b));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
+    }
   }
   // kDownGrad reads the saved z pool [C, 2I] and writes dz [C, 2I] and wa
   // [C, I] by TMA; wide kGateUp writes z [C, 2I] and a [C, I] by TMA (each
@@ -698,6 +818,31 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   const bool pair = args.pair_ctas && p.n_tiles % 2 == 0 && num_sms >= 2;
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
+    // Gathered rows (bf16; checked above).
+    if constexpr (m == GemmMode::kGateUp) {
+      if (args.gather == Gather::kA && wide)
+        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDownGrad) {
+      if (args.gather == Gather::kA)
+        return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                  map_out1, p, num_sms, stream);
+    }
+    if constexpr (m == GemmMode::kWeightGrad) {
+      if (args.gather == Gather::kA && pair)
+        return launch_mode<m, true, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
+      if (args.gather == Gather::kA)
+        return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                  map_out1, p, num_sms, stream);
+      if (args.gather == Gather::kB && pair)
+        return launch_mode<m, true, false, false, false, false, false, kGatherB>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
+      if (args.gather == Gather::kB)
+        return launch_mode<m, false, false, false, false, false, false, kGatherB>(map_a, map_b, map_z, map_out0,
+                                                                                  map_out1, p, num_sms, stream);
+    }
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
       if (args.fp8 && args.a_scales_by_k_block)
         return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
