@@ -1202,14 +1202,15 @@ TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
   random_mat(other_a, C, H, 1.0, 25);  // every row random, padding included
   random_mat(other_b, C, I, 1.0, 26);
   for (const bool pairs : {true, false}) {
-    DeviceTensor out;
-    cuda::GroupedGemmArgs g = weight_grad_problem(pa, other_b, out);
+    DeviceTensor out_a, out_b;
+    cuda::GroupedGemmArgs g = weight_grad_problem(pa, other_b, out_a);
     g.pair_ctas = pairs;
-    const std::vector<std::pair<void*, size_t>> outs = {{out.view().data, static_cast<size_t>(E * H * I * 4)}};
-    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok_a, pa, outs);
-    g = weight_grad_problem(other_a, pb, out);
+    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok_a, pa,
+                            {{out_a.view().data, static_cast<size_t>(E * H * I * 4)}});
+    g = weight_grad_problem(other_a, pb, out_b);
     g.pair_ctas = pairs;
-    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb, outs);
+    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb,
+                            {{out_b.view().data, static_cast<size_t>(E * H * I * 4)}});
   }
 }
 
