@@ -1192,9 +1192,9 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
                            {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}});
 }
 
-// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), in CTA pairs and
-// one CTA a tile. The other operand's padding rows are nonzero: a gathered
-// padding row that is not zero shows.
+// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), in CTA pairs (B;
+// a gathered A runs one CTA a tile) and one CTA a tile. The other operand's
+// padding rows are nonzero: a gathered padding row that is not zero shows.
 TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
   Mat pa, pb, tok_a, tok_b, other_a, other_b;
   token_rows_and_pool(tok_a, pa, H, 23);

@@ -96,53 +96,53 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
   }
 }
 
-// The gathered operand's part of a stage, by the 32 lanes of the producer
-// warp (GroupedGemmArgs::gather): each 128-byte row of the operand's boxes
-// is one TMA row load from a token row (the row map of map_g), into the
-// place a 64-row box load would put it. `tok[i]`: the token row of this
-// lane's i-th row (gather_tokens for a padding row: out of bounds, zeros).
-// M-grouped (K-major A): tile row r = lane + 32 i (i < 4) of the two boxes,
-// its k-block's 64 columns. kWeightGrad (MN-major, K = pool rows): pool row
-// k0 + lane + 32 i (i < 2) of both boxes, the tile's 128 columns in two
-// 64-column halves; a pair's A goes by multicast, box `rank` from each CTA.
-template <GemmMode M, int kGather, bool kPair>
-__device__ __forceinline__ void gather_rows_into_stage(const CUtensorMap* map_g, const Tile& tile, int kb,
-                                                       uint8_t* smem_g, uint64_t* full, uint32_t rank,
-                                                       const int (&tok)[4]) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  if constexpr (M == GemmMode::kWeightGrad) {
-    const int c0 = (kGather == kGatherA ? tile.m : tile.n) * kBlockN;
-#pragma unroll
-    for (int box = 0; box < 2; ++box) {
-      if (kPair && kGather == kGatherA && box != static_cast<int>(rank)) continue;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        uint8_t* dst = smem_g + box * kBoxBytes + (lane + 32 * i) * 128;
-        if constexpr (kPair && kGather == kGatherA) {
-          tma_load_2d_multicast(dst, map_g, full, c0 + box * 64, tok[i], 0b11);
-        } else {
-          tma_load_2d(dst, map_g, full, c0 + box * 64, tok[i]);
-        }
-      }
+// Gathered rows (GroupedGemmArgs::gather): the 128 producer threads copy the
+// gathered operand's part of each stage from token rows by cp.async, 16
+// bytes a copy, into the layout a TMA box load with the 128-byte swizzle
+// makes (16-byte chunk c of box row r at chunk c ^ (r % 8)); one TMA load a
+// row measured 5x slower (the TMA unit takes ~60 cycles a request). A copy
+// of a padding row (row_src -1) reads nothing and writes zeros.
+// Thread t copies chunk t % 8 of 8 rows, each eight threads one 128-byte
+// row (coalesced): M-grouped (K-major A, 128 tile rows x the k-block's 64
+// columns): rows i * 16 + 4 w + j (warp w, j = lane / 8, i < 8).
+// kWeightGrad (MN-major; K = pool rows): the k-block's 64 pool rows x the
+// tile's 128 columns as two 64-column boxes: box i / 4, pool row
+// (i % 4) * 16 + 4 w + j.
+// Token look-ups: lane l holds the token of one row (RowGather::row_of) and
+// the others take it by shuffle.
+template <GemmMode M>
+struct RowGather {
+  static constexpr bool kWgrad = M == GemmMode::kWeightGrad;
+  const char* rows;  // the token matrix
+  int64_t pitch;     // its row length in bytes
+  int c0;            // kWeightGrad: the tile's first column
+  // The row (M-grouped: of the tile; kWeightGrad: of the k-block) whose token lane l looks up.
+  __device__ __forceinline__ static int row_of(int lane) {
+    const int w = static_cast<int>(threadIdx.x / 32) & 3;
+    return (kWgrad ? (lane >> 2) & 3 : lane >> 2) * 16 + 4 * w + (lane & 3);
+  }
+  // The token of pool row `pool_row` (-1: padding).
+  __device__ __forceinline__ static int token(const KernelParams& p, int64_t pool_row) {
+    const int src = __ldg(p.args.plan.row_src + pool_row);
+    return src < 0 ? -1 : src / p.args.plan.top_k;
+  }
+  // This thread's copies into `dst` (the stage's gathered operand) for k-block kb; my_tok: this lane's token.
+  __device__ __forceinline__ void copy(uint8_t* dst, int kb, int my_tok) const {
+    const int lane = static_cast<int>(threadIdx.x & 31), w = static_cast<int>(threadIdx.x / 32) & 3;
+    const int chunk = lane & 7, j = lane >> 3;
+    const uint32_t base = smem_u32(dst);
+#pragma unroll 2
+    for (int i = 0; i < 8; ++i) {
+      const int tok = __shfl_sync(0xffffffffu, my_tok, (kWgrad ? i & 3 : i) * 4 + j);
+      const int r = (kWgrad ? i & 3 : i) * 16 + 4 * w + j;  // row in the stage (kWeightGrad: in box i / 4)
+      const int box = kWgrad ? i >> 2 : 0;
+      const int col = kWgrad ? c0 + box * 64 : kb * kBlockK;  // first element of the row's 64
+      const uint32_t to = base + box * kBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4);
+      const char* from = tok < 0 ? rows : rows + tok * pitch + col * 2 + chunk * 16;
+      cp_async_16(to, from, tok >= 0);
     }
-  } else {
-    const int k0 = kb * kBlockK;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) tma_load_2d(smem_g + (lane + 32 * i) * 128, map_g, full, k0, tok[i]);
   }
-}
-
-// The token rows of this lane's gathered pool rows (gather_rows_into_stage's
-// tok): pool rows first, first + 32, ... (`n` of them).
-template <int n>
-__device__ __forceinline__ void gather_tokens_of(const KernelParams& p, int64_t first, int (&tok)[4]) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-#pragma unroll
-  for (int i = 0; i < n; ++i) {
-    const int src = __ldg(p.args.plan.row_src + first + lane + 32 * i);
-    tok[i] = src < 0 ? static_cast<int>(p.args.gather_tokens) : src / p.args.plan.top_k;
-  }
-}
+};
 
 // The FP8 main loop of one tile (kGateUp, kDown; kDownGrad and kGateUpGrad
 // with B transposed, kBT; kWeightGrad with both transposed). Each 128-long
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 128 : 1);  // + each gathering thread's
       // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
       mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair || kWide ? 8 : 4);
     }
@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer: one thread (on split rings one per ring) issues the TMA loads,
     // tile after tile, in the order the consumers take them. It returns early
     // when a wait gives up or at the fault-injection point (debug_stall_at).
-    // kGather: the whole warp 0, its lane 0 as the producer thread, all lanes gathering rows.
-    if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32) || (kGather != kGatherNone && threadIdx.x < 32)) {
+    // kGather: all 128 threads (RowGather), thread 0 also as the TMA producer.
+    if (threadIdx.x == 0 || (kSplitRings && threadIdx.x == 32) || kGather != kGatherNone) {
       const int64_t stall_at = p.args.debug_stall_at;
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto load = [&](const Tile& tile, int kb, int slot) {
         uint64_t* full = &ring.full[slot];
         constexpr int kScaleBytes = !kRing ? 0 : M == GemmMode::kWeightGrad ? kScaleStageBytes : 512;
-        mbar_arrive_expect_tx(full, kStage + kScaleBytes);
+        // A gathered operand (16 KB of the stage) comes by the producer threads' cp.async instead.
+        mbar_arrive_expect_tx(full, kStage + kScaleBytes - (kGather != kGatherNone ? kTileBytesA : 0));
         uint8_t* stage = smem + slot * kStage;
         load_stage<M, kPair, kBT, kFp8, kWide, kGather>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full,
                                                          rank);
@@ -417,33 +418,63 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
       }
       if constexpr (kGather != kGatherNone) {
-        // Lane 0 waits for the slot, arms its full barrier and loads the other
-        // operand; once it has armed it (__syncwarp) every lane loads its rows.
-        State ps;
-        const bool leader = threadIdx.x == 0;
-        const CUtensorMap* map_g = kGather == kGatherA ? &map_a : &map_b;
-        int tok[4];
+        // All 128 threads gather (RowGather); thread 0 also arms each stage's
+        // full barrier and loads the other operand by TMA. Each thread
+        // publishes a stage kLag stages after its copies went out: once
+        // cp.async.wait_group says they have landed, a proxy fence (wgmma
+        // reads shared memory through the async proxy) and its own arrival
+        // on the full barrier (1 + 128 arrivals). A warp's lane 0 waits for
+        // free slots for the warp, so that the warp leaves together.
+        constexpr int kLag = 2;
+        static_assert(kLag < S, "a stage is published before its slot comes round again");
+        const int lane = static_cast<int>(threadIdx.x & 31);
+        const RowGather<M> gather{static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b),
+                                  (kGather == kGatherA ? p.args.a_cols : p.args.b_cols) * 2, 0};
+        State ps, published;
+        int pending = 0;  // stages copied, not yet published
+        auto publish_one = [&] {
+          fence_proxy_async_shared();
+          mbar_arrive(&ring.full[published.stage()]);
+          ++published, --pending;
+        };
+        auto publish_all = [&] {
+          cp_async_wait<0>();
+          while (pending > 0) publish_one();
+        };
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
           const Tile tile = scheduler.tile(t);
-          if constexpr (M != GemmMode::kWeightGrad) gather_tokens_of<4>(p, static_cast<int64_t>(tile.m) * kBlockM, tok);
+          RowGather<M> g = gather;
+          if constexpr (M == GemmMode::kWeightGrad) g.c0 = (kGather == kGatherA ? tile.m : tile.n) * kBlockN;
+          int my_tok = 0;
+          if constexpr (M != GemmMode::kWeightGrad)
+            my_tok = RowGather<M>::token(p, static_cast<int64_t>(tile.m) * kBlockM + RowGather<M>::row_of(lane));
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-            // kWeightGrad: K is pool rows, so each k-block gathers rows of its own (read before the wait).
-            if constexpr (M == GemmMode::kWeightGrad) gather_tokens_of<2>(p, tile.k_begin + kb * kBlockK, tok);
-            if (static_cast<int64_t>(ps.it) == stall_at) return;
-            const bool free = __shfl_sync(0xffffffffu, leader ? ring.wait_empty(waits, ps) : false, 0);
-            if (!free) return;
-            if (leader) load(tile, kb, ps.stage());
-            __syncwarp();
+            // kWeightGrad: K is pool rows, each k-block's own (looked up before the wait).
+            if constexpr (M == GemmMode::kWeightGrad)
+              my_tok = RowGather<M>::token(p, tile.k_begin + kb * kBlockK + RowGather<M>::row_of(lane));
+            if (static_cast<int64_t>(ps.it) == stall_at) {  // the stall is here: what was copied is published
+              publish_all();
+              return;
+            }
+            if (!__shfl_sync(0xffffffffu, lane == 0 ? ring.wait_empty(waits, ps) : false, 0)) {
+              cp_async_wait<0>();  // no copy may land after the CTA has gone
+              return;
+            }
+            if (threadIdx.x == 0) load(tile, kb, ps.stage());
             uint8_t* stage = smem + ps.stage() * kStage;
-            gather_rows_into_stage<M, kGather, kPair>(map_g, tile, kb, kGather == kGatherA ? stage : stage + kTileBytesA,
-                                                      &ring.full[ps.stage()], rank, tok);
+            g.copy(kGather == kGatherA ? stage : stage + kTileBytesA, kb, my_tok);
+            cp_async_commit();
+            if (++pending > kLag) {
+              cp_async_wait<kLag>();
+              publish_one();
+            }
           }
         }
-        if constexpr (kPair)
-          for (int s = 0; s < S; ++s, ++ps) {
-            const bool free = __shfl_sync(0xffffffffu, leader ? ring.wait_empty(waits, ps) : false, 0);
-            if (!free) return;
-          }
+        publish_all();
+        if constexpr (kPair)  // stay until both CTAs have released every stage (below)
+          if (threadIdx.x == 0)
+            for (int s = 0; s < S; ++s, ++ps)
+              if (!ring.wait_empty(waits, ps)) return;
         return;
       }
       State ps;
@@ -789,17 +820,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.a, args.a_rows, args.a_cols, &map_a));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.b, args.b_rows, args.b_cols, &map_b));
   } else {
-    // A gathered operand: the token rows, one row a box.
-    if (args.gather == Gather::kA) {
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_row64(args.a, args.gather_tokens, args.a_cols, &map_a));
-    } else {
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.a, args.a_rows, args.a_cols, &map_a));
-    }
-    if (args.gather == Gather::kB) {
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_row64(args.b, args.gather_tokens, args.b_cols, &map_b));
-    } else {
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.b, args.b_rows, args.b_cols, &map_b));
-    }
+    // A gathered operand: its map (of the token rows) is never loaded from, the producer threads copy it.
+    MEGAMOE_RETURN_IF_ERROR(
+        make_tma_2d_bf16_box64(args.a, args.gather == Gather::kA ? args.gather_tokens : args.a_rows, args.a_cols, &map_a));
+    MEGAMOE_RETURN_IF_ERROR(
+        make_tma_2d_bf16_box64(args.b, args.gather == Gather::kB ? args.gather_tokens : args.b_rows, args.b_cols, &map_b));
   }
   // kDownGrad reads the saved z pool [C, 2I] and writes dz [C, 2I] and wa
   // [C, I] by TMA; wide kGateUp writes z [C, 2I] and a [C, I] by TMA (each
@@ -830,9 +855,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                                                                                   map_out1, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kWeightGrad) {
-      if (args.gather == Gather::kA && pair)
-        return launch_mode<m, true, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
       if (args.gather == Gather::kA)
         return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
                                                                                   map_out1, p, num_sms, stream);

@@ -153,12 +153,13 @@ struct GroupedGemmArgs {
   bool narrow_tiles = false;
   // Gathered rows (bf16, the one-GPU layer): the operand named here is the
   // token matrix itself, [gather_tokens, its cols], instead of a pool made
-  // of it by gather_rows: the producer warp loads pool row r from token row
-  // row_src[r] / top_k (the plan's), one 128-byte TMA row at a time, and a
-  // padding row (row_src -1) as zeros. Bitwise the pool path's result, with
-  // no pool to write and read. kA: kGateUp's x, kDownGrad's dy (B as given,
-  // not b_k_major), kWeightGrad's A; kB: kWeightGrad's B. a_rows and b_rows
-  // still count the pool's rows (the epilogues' maps use them).
+  // of it by gather_rows: the producer threads copy pool row r from token row
+  // row_src[r] / top_k (the plan's) by cp.async, and a padding row (row_src
+  // -1) as zeros. Bitwise the pool path's result, with no pool to write and
+  // read. kA: kGateUp's x, kDownGrad's dy (B as given, not b_k_major),
+  // kWeightGrad's A (one CTA a tile: pairs share A by TMA multicast); kB:
+  // kWeightGrad's B. a_rows and b_rows still count the pool's rows (the
+  // epilogues' maps use them).
   enum class Gather { kNone, kA, kB };
   Gather gather = Gather::kNone;
   int64_t gather_tokens = 0;

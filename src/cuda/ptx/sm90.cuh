@@ -119,6 +119,20 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// ---- cp.async (non-bulk): 16-byte copies global -> shared -------------------------
+// 16 bytes from src to shared dst; with `valid` false none are read and the
+// 16 bytes are zeros (src must still be a valid address).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ---- clusters ------------------------------------------------------------------
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t rank;
