@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 128 : 1);  // + each gathering thread's
+      mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 4 : 1);  // + each gathering warp's
       // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
       mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair || kWide ? 8 : 4);
     }
@@ -419,14 +419,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if constexpr (kGather != kGatherNone) {
         // All 128 threads gather (RowGather); thread 0 also arms each stage's
-        // full barrier and loads the other operand by TMA. Each thread
-        // publishes a stage kLag stages after its copies went out: once
-        // cp.async.wait_group says they have landed, a proxy fence (wgmma
-        // reads shared memory through the async proxy) and its own arrival
-        // on the full barrier (1 + 128 arrivals). A warp's lane 0 waits for
-        // free slots for the warp, so that the warp leaves together.
-        constexpr int kLag = 2;
-        static_assert(kLag < S, "a stage is published before its slot comes round again");
+        // full barrier and loads the other operand by TMA. A stage is
+        // published kLag stages after its copies went out: once each lane's
+        // cp.async.wait_group says its copies have landed, its proxy fence
+        // (wgmma reads shared memory through the async proxy), then the
+        // warp's lane 0 arrives on the full barrier for the warp (1 + 4
+        // arrivals; 128 arrivals a stage on one barrier took ~1 us). A warp's
+        // lane 0 also waits for free slots for the warp, so that the warp
+        // leaves together. kLag <= S - 2: a stage is published before the
+        // consumers need it (they are then at most S - kLag - 1 stages behind).
+        constexpr int kLag = S >= 6 ? 3 : 2;
+        static_assert(kLag <= S - 2, "a stage is published before the consumers wait for it");
         const int lane = static_cast<int>(threadIdx.x & 31);
         const RowGather<M> gather{static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b),
                                   (kGather == kGatherA ? p.args.a_cols : p.args.b_cols) * 2, 0};
@@ -434,7 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         int pending = 0;  // stages copied, not yet published
         auto publish_one = [&] {
           fence_proxy_async_shared();
-          mbar_arrive(&ring.full[published.stage()]);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&ring.full[published.stage()]);
           ++published, --pending;
         };
         auto publish_all = [&] {
@@ -445,13 +449,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           const Tile tile = scheduler.tile(t);
           RowGather<M> g = gather;
           if constexpr (M == GemmMode::kWeightGrad) g.c0 = (kGather == kGatherA ? tile.m : tile.n) * kBlockN;
-          int my_tok = 0;
-          if constexpr (M != GemmMode::kWeightGrad)
-            my_tok = RowGather<M>::token(p, static_cast<int64_t>(tile.m) * kBlockM + RowGather<M>::row_of(lane));
+          // M-grouped: this lane's row of the tile. kWeightGrad: K is pool rows,
+          // so each k-block has its own, looked up a k-block ahead (next_tok).
+          const int64_t first_row =
+              M == GemmMode::kWeightGrad ? tile.k_begin : static_cast<int64_t>(tile.m) * kBlockM;
+          int my_tok = tile.k_blocks > 0 ? RowGather<M>::token(p, first_row + RowGather<M>::row_of(lane)) : 0;
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-            // kWeightGrad: K is pool rows, each k-block's own (looked up before the wait).
+            int next_tok = my_tok;
             if constexpr (M == GemmMode::kWeightGrad)
-              my_tok = RowGather<M>::token(p, tile.k_begin + kb * kBlockK + RowGather<M>::row_of(lane));
+              if (kb + 1 < tile.k_blocks)
+                next_tok = RowGather<M>::token(p, first_row + (kb + 1) * kBlockK + RowGather<M>::row_of(lane));
             if (static_cast<int64_t>(ps.it) == stall_at) {  // the stall is here: what was copied is published
               publish_all();
               return;
@@ -468,6 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               cp_async_wait<kLag>();
               publish_one();
             }
+            my_tok = next_tok;
           }
         }
         publish_all();
