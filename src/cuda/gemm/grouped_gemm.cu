@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 4 : 1);  // + each gathering warp's
+      mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 128 : 1);  // + each gathering thread's
       // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
       mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair || kWide ? 8 : 4);
     }
@@ -419,32 +419,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if constexpr (kGather != kGatherNone) {
         // All 128 threads gather (RowGather); thread 0 also arms each stage's
-        // full barrier and loads the other operand by TMA. A stage is
-        // published kLag stages after its copies went out: once each lane's
-        // cp.async.wait_group says its copies have landed, its proxy fence
-        // (wgmma reads shared memory through the async proxy), then the
-        // warp's lane 0 arrives on the full barrier for the warp (1 + 4
-        // arrivals; 128 arrivals a stage on one barrier took ~1 us). A warp's
-        // lane 0 also waits for free slots for the warp, so that the warp
-        // leaves together. kLag <= S - 2: a stage is published before the
-        // consumers need it (they are then at most S - kLag - 1 stages behind).
-        constexpr int kLag = S >= 6 ? 3 : 2;
-        static_assert(kLag <= S - 2, "a stage is published before the consumers wait for it");
+        // full barrier and loads the other operand by TMA. Each thread's
+        // copies of a stage arrive on its full barrier when they have landed
+        // (cp.async.mbarrier.arrive.noinc: 1 + 128 arrivals), so nothing
+        // here waits for them; the consumers' proxy fence after the full
+        // wait orders these generic-proxy writes before their wgmma reads.
+        // (Publishing each stage two stages late, after wait_group and a
+        // proxy fence in the producer, ran the gathering kernels 1.7-3x
+        // slower than reading a pool.) A warp's lane 0 waits for free slots
+        // for the warp, so that the warp leaves together.
         const int lane = static_cast<int>(threadIdx.x & 31);
         const RowGather<M> gather{static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b),
                                   (kGather == kGatherA ? p.args.a_cols : p.args.b_cols) * 2, 0};
-        State ps, published;
-        int pending = 0;  // stages copied, not yet published
-        auto publish_one = [&] {
-          fence_proxy_async_shared();
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&ring.full[published.stage()]);
-          ++published, --pending;
-        };
-        auto publish_all = [&] {
-          cp_async_wait<0>();
-          while (pending > 0) publish_one();
-        };
+        State ps;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
           const Tile tile = scheduler.tile(t);
           RowGather<M> g = gather;
@@ -459,26 +446,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             if constexpr (M == GemmMode::kWeightGrad)
               if (kb + 1 < tile.k_blocks)
                 next_tok = RowGather<M>::token(p, first_row + (kb + 1) * kBlockK + RowGather<M>::row_of(lane));
-            if (static_cast<int64_t>(ps.it) == stall_at) {  // the stall is here: what was copied is published
-              publish_all();
-              return;
-            }
+            if (static_cast<int64_t>(ps.it) == stall_at) return;
             if (!__shfl_sync(0xffffffffu, lane == 0 ? ring.wait_empty(waits, ps) : false, 0)) {
-              cp_async_wait<0>();  // no copy may land after the CTA has gone
+              cp_async_wait_all();  // no copy may land after the CTA has gone
               return;
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
             uint8_t* stage = smem + ps.stage() * kStage;
             g.copy(kGather == kGatherA ? stage : stage + kTileBytesA, kb, my_tok);
-            cp_async_commit();
-            if (++pending > kLag) {
-              cp_async_wait<kLag>();
-              publish_one();
-            }
+            cp_async_arrive_noinc(&ring.full[ps.stage()]);
             my_tok = next_tok;
           }
         }
-        publish_all();
         if constexpr (kPair)  // stay until both CTAs have released every stage (below)
           if (threadIdx.x == 0)
             for (int s = 0; s < S; ++s, ++ps)
@@ -588,6 +567,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
           return;
         }
+        // Gathered rows came by cp.async (generic proxy); wgmma reads through the async proxy.
+        if constexpr (kGather != kGatherNone) fence_proxy_async_shared();
         const uint8_t* sa = my_stages + ps.stage() * kStage;
         const uint8_t* sb = sa + kTileBytesA;
         // Between here and the wait<0> after the loop, nothing but wgmma touches
