@@ -20,10 +20,10 @@
 // serves every layer (calls on a stream run one after another):
 //   chunk_counts  i32  [ceil(T / 256), E]
 //   plan          the saved layout above, when the call has no saved buffer
-//   xdy_pool      bf16 [C, H]       expert-parallel owners only: the received x rows (forward), then dy
-//                                   rows (backward). Empty on one GPU: the bf16 GEMMs gather x's and dy's
-//                                   token rows themselves (GroupedGemmArgs::gather), and the fp8 ones
-//                                   quantise them as they scatter them into the pool
+//   xdy_pool      bf16 [C, H]       forward: pooled x; backward: pooled dy, then pooled x again (dW13).
+//                                   Empty for the one-GPU fp8 layer (its e4m3 operands come from the
+//                                   token rows); fp8_bwd's bf16 forward and expert-parallel owners (the
+//                                   backward's rows arrive in bf16) have it
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward only: per-tile partial sums of d topk_w

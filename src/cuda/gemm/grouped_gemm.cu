@@ -424,10 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // (cp.async.mbarrier.arrive.noinc: 1 + 128 arrivals), so nothing
         // here waits for them; the consumers' proxy fence after the full
         // wait orders these generic-proxy writes before their wgmma reads.
-        // (Publishing each stage two stages late, after wait_group and a
-        // proxy fence in the producer, ran the gathering kernels 1.7-3x
-        // slower than reading a pool.) A warp's lane 0 waits for free slots
-        // for the warp, so that the warp leaves together.
+        // A warp's lane 0 waits for free slots for the warp, so that the warp
+        // leaves together. Measured 1.5-3x slower than reading a pool, as was
+        // publishing each stage two stages late after wait_group and a
+        // producer-side proxy fence (perf-log, session 33).
         const int lane = static_cast<int>(threadIdx.x & 31);
         const RowGather<M> gather{static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b),
                                   (kGather == kGatherA ? p.args.a_cols : p.args.b_cols) * 2, 0};

@@ -160,6 +160,10 @@ struct GroupedGemmArgs {
   // kWeightGrad's A (one CTA a tile: pairs share A by TMA multicast); kB:
   // kWeightGrad's B. a_rows and b_rows still count the pool's rows (the
   // epilogues' maps use them).
+  // Not used by the layer: on one H200 these kernels ran 1.5-3x slower than
+  // the pooled ones, far more than the gather_rows launches they would
+  // replace (perf-log, session 33); the tests keep them right until a
+  // profile says why.
   enum class Gather { kNone, kA, kB };
   Gather gather = Gather::kNone;
   int64_t gather_tokens = 0;

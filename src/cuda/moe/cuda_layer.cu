@@ -2,7 +2,6 @@
 
 #include <string>
 
-#include "cuda/common/cuda_status.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/fp8_parts.h"
@@ -28,7 +27,7 @@ using detail::fp8_gate_up_weight_grad;
 using detail::pool_gemm;
 using detail::refresh_fp8_weights;
 using detail::sm_count;
-using detail::weight_grad;
+using detail::weight_grad_gemm;
 
 // The kernels are sm_90a: say so once per device instead of failing at launch.
 Status check_hopper(int device) {
@@ -48,37 +47,19 @@ Status check_hopper(int device) {
   return verdict[device] == 1 ? Status::Ok() : unimplemented("backend cuda: the kernels need a Hopper GPU (sm_90)");
 }
 
-// The token rows [T, cols] as the gathered operand of g (the engine loads
-// each pool row from its token row: no bf16 pool of x or dy on one GPU).
-void gather_token_rows(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const void* rows, const LayerDims& d) {
-  (which == GroupedGemmArgs::Gather::kA ? g.a : g.b) = rows;
-  g.gather = which, g.gather_tokens = d.tokens;
-}
-
-// GEMM1 + SwiGLU in the forward's precision, x's rows gathered by the GEMM: z
+// x gathered into the pool, then GEMM1 + SwiGLU in the forward's precision: z
 // into z_pool, a into a_pool (either may be null). FP8 quantises the token
-// rows as it scatters them into the pool.
+// rows as it scatters them into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, nullptr, d.hidden, w13,
+  MEGAMOE_RETURN_IF_ERROR(
+      gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
+  GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
-  gather_token_rows(g, GroupedGemmArgs::Gather::kA, x, d);
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);
-}
-
-// No tokens, no routed rows: the weight gradients are zero (or, accumulated, unchanged).
-Status zero_weight_grads(const LayerCall& call, const LayerGrads& grads) {
-  if (grads.accumulate) return Status::Ok();
-  const LayerDims& d = call.dims;
-  const size_t elem = grads.wgrad_f32 ? 4 : 2;
-  const size_t w13 = static_cast<size_t>(d.num_experts * 2 * d.intermediate * d.hidden) * elem;
-  const size_t w2 = static_cast<size_t>(d.num_experts * d.hidden * d.intermediate) * elem;
-  cudaError_t err = cudaMemsetAsync(grads.dw13, 0, w13, call.stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(grads.dw2, 0, w2, call.stream);
-  return cuda_status("layer backward: zeroing the weight gradients of a call without tokens", err);
 }
 
 // GEMM2 x routing weight into the slots, in the forward's precision.
@@ -150,7 +131,6 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
   MEGAMOE_RETURN_IF_ERROR(refresh_fp8_weights(call, buffers, f, in, fp8_forward(d)));
   const int64_t H = d.hidden, T = d.tokens;
-  if (T == 0) return Status::Ok();  // nothing routed, nothing to write
   const int sms = sm_count(call.device);
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = device_plan(c.pv.plan, d);
@@ -172,7 +152,6 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   MEGAMOE_RETURN_IF_ERROR(carve_fp8(call, buffers, &f));
   MEGAMOE_RETURN_IF_ERROR(refresh_fp8_weights(call, buffers, f, in, true));
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity, T = d.tokens;
-  if (T == 0) return zero_weight_grads(call, grads);
   const int sms = sm_count(call.device);
   const DevicePlan plan = device_plan(c.pv.plan, d);
 
@@ -180,35 +159,37 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
     MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
     MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, c.pv.z_pool, nullptr, sms));
   }
-  // bf16: the GEMMs gather dy's and x's token rows themselves. FP8: dy's token rows are
-  // quantised as they are scattered into the pool (dy^T and x^T come from the token rows).
+  // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
+  // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
         fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   } else {
-    MEGAMOE_RETURN_IF_ERROR(detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights,
-                                                    grads.d_topk_weights, sms, nullptr, dy));
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+    MEGAMOE_RETURN_IF_ERROR(
+        detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   }
   // dx: the fixed-order sum of its slots.
   MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
                                         call.errors, grads.dx, call.stream));
 
-  // dW2[e] = dy^T (w a), then dW13[e] = dz^T x, dy's and x's rows gathered by
-  // the GEMMs (FP8: dy^T and x^T straight into e4m3 as dy's and x's token
-  // rows are gathered). FP8: the data gradients', dW2's and dW13's e4m3
-  // operands share one scratch area (Fp8Layout): these steps must stay in
-  // this order on this stream.
+  // dW2[e] = dy^T (w a); then x back into the pool for dW13[e] = dz^T x (FP8:
+  // dy^T and x^T straight into e4m3 as dy's and x's token rows are gathered,
+  // no bf16 pools). FP8: the data gradients', dW2's and dW13's e4m3 operands
+  // share one scratch area (Fp8Layout): these steps must stay in this order
+  // on this stream.
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(fp8_down_weight_grad(call, plan, c, f, dy, grads, sms));
     return fp8_gate_up_weight_grad(call, plan, c, f, in.x, grads, sms);
   }
-  GroupedGemmArgs dw2 = weight_grad(call, plan, C, nullptr, H, c.a_pool, I, grads.dw2, grads);
-  gather_token_rows(dw2, GroupedGemmArgs::Gather::kA, dy, d);
-  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
-  GroupedGemmArgs dw13 = weight_grad(call, plan, C, c.dz_pool, 2 * I, nullptr, H, grads.dw13, grads);
-  gather_token_rows(dw13, GroupedGemmArgs::Gather::kB, in.x, d);
-  return launch_grouped_gemm(dw13, sms, call.stream);
+  MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
+                                           f.wa_ts, grads.dw2, grads, sms));
+  MEGAMOE_RETURN_IF_ERROR(
+      gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  return weight_grad_gemm(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t, f.x_ts, grads.dw13,
+                          grads, sms);
 }
 
 }  // namespace megamoe::cuda
