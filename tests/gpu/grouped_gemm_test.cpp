@@ -936,6 +936,95 @@ TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   expect_slots_match(slots, ref, /*weighted=*/false);
 }
 
+// bf16 kGateUpGrad in 128 x 256 tiles (GroupedGemmArgs::wide_backward)
+// against the 128 x 128 tiles: the dx slots bit for bit (NaN-filled first).
+// N = 256 (one wide column tile; also against the CPU) and 512 (two: tile.n
+// > 0 reaches B's columns and the slot columns).
+TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
+  for (const int64_t N : {H, int64_t{512}}) {
+    Mat dz, w13, slots;
+    random_pool(dz, 2 * I, 5);
+    random_mat(w13, E * 2 * I, N, 1.0 / 16, 6);
+    slots.make(k * T, N);
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = N, g.k = 2 * I, g.intermediate = I;
+    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
+    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = N;
+    g.out0 = slots.dev.view().data;
+    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+    run(g);
+    const auto narrow = slots.download();
+    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
+    g.wide_backward = true;
+    run(g);
+    const auto wide = slots.download();
+    EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "dx slots differ, N = " << N;
+    if (N == H) {
+      const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
+                                 [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
+      expect_slots_match(slots, ref, /*weighted=*/false);
+    }
+  }
+}
+
+// bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a
+// tile, N = 256 and 512, into fp32, fp32 += and bf16: every output bit for
+// bit; the wide fp32 result also against the CPU (N = 256).
+TEST_P(GroupedGemm, WideWeightGradTilesAreBitwiseTheNarrowOnes) {
+  Mat pa;
+  random_pool(pa, H, 7);
+  for (const int64_t N : {I, int64_t{512}}) {
+    Mat pb;
+    random_pool(pb, N, 8);
+    DeviceTensor out;
+    cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
+    g.n = N, g.b_cols = N;
+    for (const int form : {0, 1, 2}) {  // fp32, fp32 +=, bf16
+      const DType t = form == 2 ? DType::kBF16 : DType::kF32;
+      out = DeviceTensor(t, {E, H, N});
+      g.out0 = out.view().data, g.out_f32 = form < 2, g.accumulate = form == 1;
+      HostTensor start(t, {E, H, N});  // what += adds to
+      for (int64_t i = 0; i < E * H * N; ++i) start.set(i, form == 1 ? round_to_bf16(static_cast<float>(uniform_pm1(9, 1, i))) : 0.0);
+      auto run_as = [&](bool wide, bool pairs) {
+        if (form == 1) {
+          EXPECT_TRUE(out.upload(start).ok());
+        } else {
+          EXPECT_TRUE(out.fill_bytes(0xFF).ok());
+        }
+        g.wide_backward = wide, g.pair_ctas = pairs;
+        run(g);
+        HostTensor h(t, {E, H, N});
+        EXPECT_TRUE(out.download(&h).ok());
+        std::vector<double> v(static_cast<size_t>(E * H * N));
+        for (int64_t i = 0; i < E * H * N; ++i) v[i] = h.get(i);
+        return v;
+      };
+      const auto wide = run_as(true, true), pairs = run_as(false, true), one = run_as(false, false);
+      int64_t differ_pairs = 0, differ_one = 0;
+      for (size_t i = 0; i < wide.size(); ++i) {
+        differ_pairs += std::memcmp(&wide[i], &pairs[i], sizeof(double)) != 0;
+        differ_one += std::memcmp(&wide[i], &one[i], sizeof(double)) != 0;
+      }
+      EXPECT_EQ(differ_pairs, 0) << "elements that differ from the pairs, N = " << N << ", form " << form;
+      EXPECT_EQ(differ_one, 0) << "elements that differ from one CTA a tile, N = " << N << ", form " << form;
+      if (N == I && form == 0) {
+        std::vector<float> gv;
+        std::vector<double> rv;
+        for (int e = 0; e < E; ++e)
+          for (int64_t m = 0; m < H; ++m)
+            for (int64_t n = 0; n < N; ++n) {
+              double acc = 0;
+              for (int64_t r = offsets[e]; r < offsets[e] + rows[e]; ++r)
+                acc += static_cast<double>(pa.host[r * H + m]) * pb.host[r * N + n];
+              rv.push_back(acc);
+              gv.push_back(static_cast<float>(wide[(e * H + m) * N + n]));
+            }
+        EXPECT_LT(rel_err(gv, rv), 1e-4);
+      }
+    }
+  }
+}
+
 // B transposed and K-major (GroupedGemmArgs::b_k_major, the layout FP8 needs)
 // against the default MN-major B: the same products in the same order, so
 // every output must be bitwise the same.
@@ -1448,6 +1537,33 @@ TEST_P(GroupedGemm, StalledGatheringProducerTimesOutAndReports) {
   g.a = x.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kNone;
   run(g);
   EXPECT_EQ(std::memcmp(z.download().data(), z_gathered.data(), z_gathered.size() * sizeof(float)), 0) << "z";
+}
+
+// The same for wide kWeightGrad tiles: the report names the wide kernel (so
+// this test also shows that the wide tiles ran); then the call without the
+// stall equals the pairs bit for bit.
+TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
+  Mat pa, pb;
+  random_pool(pa, H, 7);
+  random_pool(pb, I, 8);
+  DeviceTensor out;
+  cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
+  g.wide_backward = true;
+  const int64_t stall = std::min<int64_t>(2, (rows[0] + 63) / 64 - 1);  // CTA 0's first tile is expert 0's
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  run(g);
+  HostTensor wide(DType::kF32, {E, H, I}), pairs(DType::kF32, {E, H, I});
+  ASSERT_TRUE(out.download(&wide).ok());
+  g.wide_backward = false;
+  run(g);
+  ASSERT_TRUE(out.download(&pairs).ok());
+  int64_t differ = 0;
+  for (int64_t i = 0; i < E * H * I; ++i) differ += wide.get(i) != pairs.get(i);
+  EXPECT_EQ(differ, 0);
 }
 
 TEST_P(GroupedGemm, StalledFp8PipelineTimesOutAndReports) {

@@ -16,7 +16,9 @@ const char* kernel_name(uint32_t k) {
                                                    "grouped GEMM kDownGrad", "grouped GEMM kGateUpGrad",
                                                    "grouped GEMM kWeightGrad", "EP routing", "EP combine",
                                                    "grouped GEMM kGateUp (128 x 256 tiles)",
-                                                   "grouped GEMM kDown (128 x 256 tiles)"};
+                                                   "grouped GEMM kDown (128 x 256 tiles)",
+                                                   "grouped GEMM kGateUpGrad (128 x 256 tiles)",
+                                                   "grouped GEMM kWeightGrad (128 x 256 tiles)"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 

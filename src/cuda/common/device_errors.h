@@ -37,6 +37,8 @@ enum KernelId : uint32_t {
   kKernelEpCombine,
   kKernelGemmGateUpWide,  // kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide)
   kKernelGemmDownWide,    // kDown in 128 x 256 tiles
+  kKernelGemmGateUpGradWide,   // kGateUpGrad in 128 x 256 tiles
+  kKernelGemmWeightGradWide,   // kWeightGrad in 128 x 256 tiles
   kKernelCount,
 };
 

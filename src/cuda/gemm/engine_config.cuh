@@ -118,13 +118,16 @@ template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageBytes + kScaleRingBytes<M, kFp8, kRing> +
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   ModeTraits<M>::kRowDstBytes + 16;
-// Wide tiles (kWide: kGateUp and kDown, bf16): kWideStages stages of 48 KB,
+// Wide tiles (kWide: kGateUp and kDown, bf16; kGateUpGrad and kWeightGrad
+// with GroupedGemmArgs::wide_backward): kWideStages stages of 48 KB,
 // and each consumer's epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes
 // (8 KB each). kGateUp passes z's gate and up halves and a through it on
 // their way out by TMA store: with 2 boxes (4 stages) one at a time, with 4
 // (3 stages) z's two halves at once, then a. kDown passes its 256 columns
-// through it in 128-column halves. A consumer holds 64 tile rows, so the
-// row destinations (kDown) take half the narrow tiles' room.
+// through it in 128-column halves, and kGateUpGrad the same; kWeightGrad
+// stores from registers (its buffers go unused). A consumer holds 64 tile
+// rows, so the row destinations (kDown, kGateUpGrad) take half the narrow
+// tiles' room.
 inline constexpr int kWideStages = 4;
 inline constexpr int kWideBoxes = kWideStages >= 4 ? 2 : 4;
 inline constexpr int kWideEpilogueBytes = kWideBoxes * kBoxBytes;
@@ -139,7 +142,12 @@ inline constexpr int kSmemBytesWide = 1024 + kWideStages * kStageBytesOf<true> +
 static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages &&
                   kWideStages <= ModeTraits<GemmMode::kDown>::kStages,
               "the modes' barrier areas hold the wide ring's");
-static_assert(kSmemBytesWide<GemmMode::kGateUp> <= 227 * 1024 && kSmemBytesWide<GemmMode::kDown> <= 227 * 1024,
+static_assert(kWideStages <= ModeTraits<GemmMode::kGateUpGrad>::kStages &&
+                  kWideStages <= ModeTraits<GemmMode::kWeightGrad>::kStages,
+              "the backward modes' barrier areas hold the wide ring's");
+static_assert(kSmemBytesWide<GemmMode::kGateUp> <= 227 * 1024 && kSmemBytesWide<GemmMode::kDown> <= 227 * 1024 &&
+                  kSmemBytesWide<GemmMode::kGateUpGrad> <= 227 * 1024 &&
+                  kSmemBytesWide<GemmMode::kWeightGrad> <= 227 * 1024,
               "wide tiles exceed the 227 KB an H100/H200 CTA may use");
 static_assert(kStageBytesOf<true> % 1024 == 0, "stages must keep the 1024-byte alignment of the 128B swizzle");
 

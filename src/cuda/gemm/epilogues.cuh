@@ -345,15 +345,19 @@ struct SlotEpilogue {
     return true;
   }
 };
-// kDown in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer c holds
-// rows [64c, 64c + 64) of the tile, acc[h] their columns [128h, 128h + 128)
-// of the tile's 256. Each row (its routing weight times it, rounded to bf16:
-// the narrow epilogue's values) goes to its source's slot [j, t], columns
-// 256n..: a 128-column half at a time through the consumer's buffer (two
-// 128B-swizzled 64 x 64 boxes, HalfTilePlaces), then 16-byte stores, 16 lanes
-// a row (whole 32-byte sectors). Threads 0-63 write the 64 rows'
-// destinations and weights first (row_dst / row_w: [64] a consumer).
+// kDown and kGateUpGrad in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16):
+// consumer c holds rows [64c, 64c + 64) of the tile, acc[h] their columns
+// [128h, 128h + 128) of the tile's 256. Each row (kDown: its routing weight
+// times it; rounded to bf16: the narrow epilogue's values) goes to its
+// source's slot [j, t], columns 256n..: a 128-column half at a time through
+// the consumer's buffer (two 128B-swizzled 64 x 64 boxes, HalfTilePlaces),
+// then 16-byte stores, 16 lanes a row (whole 32-byte sectors). Threads 0-63
+// write the 64 rows' destinations (and kDown's weights) first (row_dst /
+// row_w: [64] a consumer). This GPU's slots only (no peer_slots).
+template <GemmMode M>
 struct WideSlotEpilogue {
+  static_assert(M == GemmMode::kDown || M == GemmMode::kGateUpGrad, "the slot-writing modes");
+  static constexpr bool kWeights = M == GemmMode::kDown;
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& ctx) const {
     const GroupedGemmArgs& a = p.args;
@@ -361,17 +365,17 @@ struct WideSlotEpilogue {
     const int k = a.plan.top_k;
     const int64_t T = a.plan.num_tokens, N = a.n;
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
-    const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;
+    const float w = kWeights && ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;
     consumer_sync();  // every thread is done with the previous tile's row_dst, row_w and buffer
     if (tid < 64) {
       const int32_t src = ctx.my_src;
       ctx.row_dst[tid] = src < 0 ? nullptr : slots + ((src % k) * T + src / k) * N + tile.n * 256;
-      ctx.row_w[tid] = w;
+      if constexpr (kWeights) ctx.row_w[tid] = w;  // (kGateUpGrad's row destinations have no room for weights)
     }
     consumer_sync();
-    float w_row[2];
+    float w_row[2] = {1.0f, 1.0f};
 #pragma unroll
-    for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
+    for (int q = 0; kWeights && q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
     const uint32_t buf = smem_u32(ctx.z_chunk);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -604,11 +608,14 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   }
 };
 
-// kWeightGrad: dW[e][128m + r][128n + c], straight from registers.
-template <bool kDirect>
-struct Epilogue<GemmMode::kWeightGrad, kDirect> {
+// kWeightGrad: dW[e][128m + r][128n + c], straight from registers. kWide
+// (128 x 256 tiles): consumer cw holds rows [64 cw, 64 cw + 64), acc[h]
+// their columns [128h, 128h + 128) of dW[e][..][256n..]; else acc[h] holds
+// rows [64h, 64h + 64) of the tile's 128 columns.
+template <bool kWide>
+struct WeightGradEpilogue {
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             EpilogueContext& sm) const {
+                                             int cw) const {
     const GroupedGemmArgs& a = p.args;
     begin_epilogue();
     // A quad's lane t holds columns 8j + 2t, + 1 of its rows (j = 0..15).
@@ -625,14 +632,17 @@ struct Epilogue<GemmMode::kWeightGrad, kDirect> {
     const bool odd = (threadIdx.x & 1) != 0;
     const int64_t N = a.n;
     const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +
-                         static_cast<int64_t>(tile.n) * kBlockN + acc_col(0) + (odd ? 6 : 0);
+                         static_cast<int64_t>(tile.n) * (kWide ? 256 : kBlockN) + acc_col(0) + (odd ? 6 : 0);
+    // Accumulator half h's row q and first column in the tile.
+    auto row_of = [&](int h, int q) { return kWide ? 64 * cw + acc_row(0, 2 * q) : acc_row(h, 2 * q); };
+    auto col_of = [&](int h) { return kWide ? 128 * h : 0; };
     // store_quad(dst, lo, hi): lo = columns [c, c + 2), hi = [c + 2, c + 4) of dst's row.
     auto store_tile = [&](auto* out, auto pack, auto store_quad) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-          auto* row = out + base + static_cast<int64_t>(acc_row(h, 2 * q)) * N;
+          auto* row = out + base + static_cast<int64_t>(row_of(h, q)) * N + col_of(h);
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int i0 = 8 * jj + 2 * q, i1 = i0 + 4;  // j = 2jj and 2jj + 1
@@ -670,6 +680,13 @@ struct Epilogue<GemmMode::kWeightGrad, kDirect> {
   __device__ __forceinline__ static uint32_t shfl_xor1(uint32_t v) { return __shfl_xor_sync(0xFFFFFFFFu, v, 1); }
   __device__ __forceinline__ static float2 shfl_xor1(float2 v) {
     return make_float2(__shfl_xor_sync(0xFFFFFFFFu, v.x, 1), __shfl_xor_sync(0xFFFFFFFFu, v.y, 1));
+  }
+};
+template <bool kDirect>
+struct Epilogue<GemmMode::kWeightGrad, kDirect> {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext&) const {
+    return WeightGradEpilogue<false>{}(p, tile, acc, 0);
   }
 };
 

@@ -42,7 +42,8 @@ using namespace engine;
 // kFp8: e4m3 operands, 128 elements per k-block (the same 128-byte box rows).
 // kWide (bf16; the kernel's 128 x 256 tiles): kGateUp's 128 gate rows into B
 // boxes 0-1 and the matching 128 up rows into boxes 2-3; kDown's 256 rows of
-// expert e's w2 (output columns 256n..) into boxes 0-3.
+// expert e's w2 (output columns 256n..) into boxes 0-3; kGateUpGrad's and
+// kWeightGrad's B (MN-major) as four 64-column boxes of the tile's 256.
 // kGather: the operand the producer warp gathers row by row (gather_rows_into_stage) is skipped here.
 template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false, int kGather = kGatherNone>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
@@ -84,8 +85,16 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
     } else if constexpr (M == GemmMode::kWeightGrad && kFp8) {  // B^T [n, pool rows], K-major
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0, tile.n * kBlockN + box * 64);
+    } else if constexpr (M == GemmMode::kWeightGrad && kWide) {  // B's 256 columns: boxes 0-3, 64 columns each
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * 256 + box * 64, k0);
+      tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, tile.n * 256 + (2 + box) * 64, k0);
     } else if constexpr (M == GemmMode::kWeightGrad) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64, k0);
+    } else if constexpr (M == GemmMode::kGateUpGrad && kWide) {  // w13[e]'s 256 columns as four boxes, K rows
+      static_assert(!kBT, "wide kGateUpGrad reads B as given (MN-major)");
+      const int row = e * static_cast<int>(p.args.k) + k0;
+      tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * 256 + box * 64, row);
+      tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, tile.n * 256 + (2 + box) * 64, row);
     } else if constexpr (kBT) {  // [E * n, k]: expert e's output columns are rows, K inner
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, k0,
                   e * static_cast<int>(p.args.n) + tile.n * kBlockN + box * 64);
@@ -291,8 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
-  static_assert(!kWide || ((M == GemmMode::kGateUp || M == GemmMode::kDown) && !kFp8 && !kPair && !kHoldRows),
-                "wide tiles: bf16 kGateUp and kDown, one CTA a tile, no row holds");
+  static_assert(!kWide || (M != GemmMode::kDownGrad && !kFp8 && !kPair && !kHoldRows && !kBT),
+                "wide tiles: bf16 kGateUp, kDown, kGateUpGrad (B as given) and kWeightGrad, one CTA a tile, no row "
+                "holds");
   static_assert(kGather == kGatherNone ||
                     (!kFp8 && !kHoldRows &&
                      (kGather == kGatherA ? M == GemmMode::kGateUp || (M == GemmMode::kDownGrad && !kBT) ||
@@ -333,8 +343,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kWide || 1008 + kStageArea + 2 * kEpilogueBytes + Tr::kBarriers * 8 + kRowDstBytesOf<M, kWide> + 4 <=
                               kSmemBytesWide<M>,
                 "the wide kernel's shared-memory carve-up exceeds kSmemBytesWide");
-  constexpr uint32_t kKernel =
-      !kWide ? kernel_id<M>() : M == GemmMode::kGateUp ? kKernelGemmGateUpWide : kKernelGemmDownWide;
+  constexpr uint32_t kKernel = !kWide                        ? kernel_id<M>()
+                              : M == GemmMode::kGateUp      ? kKernelGemmGateUpWide
+                              : M == GemmMode::kDown        ? kKernelGemmDownWide
+                              : M == GemmMode::kGateUpGrad  ? kKernelGemmGateUpGradWide
+                                                            : kKernelGemmWeightGradWide;
   const BoundedWait waits{p.args.errors, cta_state, kKernel, kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
 
@@ -578,9 +591,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kWide && kk < kBlockK / 16; ++kk) {  // this consumer's A box, B's 256 rows at once
-          const uint64_t da = smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
-          const uint64_t db = smem_desc_sw128(sb + kk * 32, 0, 1024);
-          wgmma_m64n256k16_bf16(acc[0], acc[1], da, db, 1);
+          // MN-major operands (kWeightGrad's A and B, kGateUpGrad's B): a k16
+          // step is 16 box rows; B's four 64-column boxes are kBoxBytes apart.
+          const uint64_t da = Tr::kAMnMajor ? smem_desc_sw128(sa + cw * kBoxBytes + kk * 16 * 128, kBoxBytes, 1024)
+                                            : smem_desc_sw128(sa + cw * kBoxBytes + kk * 32, 0, 1024);
+          const uint64_t db =
+              kBMn ? smem_desc_sw128(sb + kk * 16 * 128, kBoxBytes, 1024) : smem_desc_sw128(sb + kk * 32, 0, 1024);
+          wgmma_m64n256k16_bf16<Tr::kAMnMajor ? 1 : 0, kBMn ? 1 : 0>(acc[0], acc[1], da, db, 1);
         }
 #pragma unroll
         for (int kk = 0; !kWide && kk < kBlockK / 16; ++kk) {
@@ -620,8 +637,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     bool stored;
     if constexpr (kWide && M == GemmMode::kGateUp) {
       stored = WideGateUpEpilogue{}(p, tile, acc, ctx, cw);
+    } else if constexpr (kWide && M == GemmMode::kWeightGrad) {
+      stored = WeightGradEpilogue<true>{}(p, tile, acc, cw);
     } else if constexpr (kWide) {
-      stored = WideSlotEpilogue{}(p, tile, acc, ctx);
+      stored = WideSlotEpilogue<M>{}(p, tile, acc, ctx);
     } else {
       stored = Epilogue<M, kFp8>{}(p, tile, acc, ctx);  // FP8: the staged modes' plain stores (store_rows)
     }
@@ -793,9 +812,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // 128 == 0), kDown with N % 256 == 0 writing this GPU's slots (not peer
   // slots); no row holds (expert parallelism's owners keep the 128 x 128
   // tiles); unless a test asks for the narrow ones.
+  const bool wide_bwd = args.wide_backward && args.gather == Gather::kNone && !args.b_k_major && args.n % 256 == 0 &&
+                        ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
+                         args.mode == GemmMode::kWeightGrad);
   const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
                     ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
-                     (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr));
+                     (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr) ||
+                     wide_bwd);
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64)
@@ -859,7 +882,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
-    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
+    if constexpr (m != GemmMode::kDownGrad) {  // wide: refused above for FP8, row holds, B K-major, gathers
       if (wide)
         return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
                                                                        num_sms, stream);

@@ -151,6 +151,14 @@ struct GroupedGemmArgs {
   // peer_slots), both when rows_ready is unset; tests set true to compare
   // with the 128 x 128 tiles, which are bitwise the same.
   bool narrow_tiles = false;
+  // bf16 kGateUpGrad (B as given, this GPU's slots) and kWeightGrad in 128 x
+  // 256 tiles, both consumers on each (kWeightGrad: instead of its CTA
+  // pairs), where N is a multiple of 256. Bitwise the 128 x 128 tiles'
+  // result by construction (the same products summed in the same order, as
+  // the forward's wide tiles); written in session 33 without a GPU: off
+  // until its tests and an A/B have run (the layer turns it on when built
+  // with -DMEGAMOE_WIDE_BACKWARD=ON).
+  bool wide_backward = false;
   // Gathered rows (bf16, the one-GPU layer): the operand named here is the
   // token matrix itself, [gather_tokens, its cols], instead of a pool made
   // of it by gather_rows: the producer threads copy pool row r from token row
