@@ -167,11 +167,12 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     return out;
   }
 
-  // M-grouped FP8: g with A's scales by row, then by k-block (transposed here
-  // from g's [a_rows, k / 128] into [k / 128, a_rows]), each on outputs
-  // filled with 0xFF first: every output byte must come out the same (the
-  // same products in the same order), and the runs must have written some.
-  void expect_scales_by_k_block_bitwise(cuda::GroupedGemmArgs g, const std::vector<std::pair<void*, size_t>>& outs) {
+  // Outputs (device pointer, bytes) filled with 0xFF before `first()` and
+  // again before `second()` (each launches): every byte must come out the
+  // same, and the first run must have written some.
+  using Outputs = std::vector<std::pair<void*, size_t>>;
+  template <typename First, typename Second>
+  void expect_same_bytes(const Outputs& outs, First first, Second second, const char* what) {
     auto fill = [&] {
       for (const auto& o : outs) EXPECT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
     };
@@ -184,19 +185,29 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
       return v;
     };
     fill();
-    run(g);
-    const auto by_row = snapshot();
-    const DeviceTensor by_k_block = scales_by_k_block(g.a_scales, g.a_rows, g.k / 128);
-    g.a_scales = static_cast<const float*>(by_k_block.view().data);
-    g.a_scales_by_k_block = true;
+    first();
+    const auto one = snapshot();
     fill();
-    run(g);
-    const auto by_kb = snapshot();
+    second();
+    const auto two = snapshot();
     for (size_t i = 0; i < outs.size(); ++i) {
-      EXPECT_TRUE(by_kb[i] == by_row[i]) << "output " << i << " differs with A's scales by k-block";
-      EXPECT_TRUE(std::any_of(by_kb[i].begin(), by_kb[i].end(), [](uint8_t b) { return b != 0xFF; }))
+      int64_t differ = 0;
+      for (size_t b = 0; b < outs[i].second; ++b) differ += one[i][b] != two[i][b];
+      EXPECT_EQ(differ, 0) << "output " << i << ": bytes that differ " << what;
+      EXPECT_TRUE(std::any_of(one[i].begin(), one[i].end(), [](uint8_t b) { return b != 0xFF; }))
           << "output " << i << " was not written";
     }
+  }
+
+  // M-grouped FP8: g with A's scales by row, then by k-block (transposed here
+  // from g's [a_rows, k / 128] into [k / 128, a_rows]): the same products in
+  // the same order, so the same bytes.
+  void expect_scales_by_k_block_bitwise(cuda::GroupedGemmArgs g, const Outputs& outs) {
+    const DeviceTensor by_k_block = scales_by_k_block(g.a_scales, g.a_rows, g.k / 128);
+    cuda::GroupedGemmArgs by_kb = g;
+    by_kb.a_scales = static_cast<const float*>(by_k_block.view().data);
+    by_kb.a_scales_by_k_block = true;
+    expect_same_bytes(outs, [&] { run(g); }, [&] { run(by_kb); }, "with A's scales by k-block");
   }
 
   // A stage iteration CTA 0 reaches in an M-grouped launch of `tiles` tiles
@@ -231,6 +242,36 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
     g.b = w2.dev.view().data, g.b_rows = E * N, g.b_cols = I;
     g.topk_weights = static_cast<const float*>(weights.view().data);
+    g.out0 = slots.dev.view().data;
+    return g;
+  }
+
+  // dW [E, H, N] (got(i): element i) against the CPU's pa[rows of e]^T pb[rows of e]: the relative error.
+  template <typename Got>
+  double weight_grad_rel_err(const Mat& pa, const Mat& pb, int64_t N, Got got) const {
+    std::vector<float> gv;
+    std::vector<double> rv;
+    for (int e = 0; e < E; ++e)
+      for (int64_t m = 0; m < H; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double s = 0;
+          for (int64_t r = offsets[e]; r < offsets[e] + rows[e]; ++r)
+            s += static_cast<double>(pa.host[r * H + m]) * pb.host[r * N + n];
+          rv.push_back(s);
+          gv.push_back(static_cast<float>(got((e * H + m) * N + n)));
+        }
+    return rel_err(gv, rv);
+  }
+
+  // A kGateUpGrad launch: random dz pool [C, 2I] and w13 [E*2I, N] (MN-major B), dx rows into slots [k*T, N].
+  cuda::GroupedGemmArgs gate_up_grad_problem(Mat& dz, Mat& w13, Mat& slots, int64_t N) {
+    random_pool(dz, 2 * I, 5);
+    random_mat(w13, E * 2 * I, N, 1.0 / 16, 6);
+    slots.make(k * T, N);
+    cuda::GroupedGemmArgs g;
+    g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = N, g.k = 2 * I, g.intermediate = I;
+    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
+    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = N;
     g.out0 = slots.dev.view().data;
     return g;
   }
@@ -299,39 +340,15 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     pool.upload();
   }
   // `g` gathering `tok`'s rows (the operand `which`), then reading the pool
-  // instead, each on outputs filled with 0xFF: every byte must come out the
-  // same, and the gathered run must have written some.
+  // instead: the same bytes.
   void expect_gathered_bitwise(cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which, const Mat& tok,
-                               const Mat& pool, const std::vector<std::pair<void*, size_t>>& outs) {
-    auto fill = [&] {
-      for (const auto& o : outs) EXPECT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
-    };
-    auto snapshot = [&] {
-      std::vector<std::vector<uint8_t>> v;
-      for (const auto& o : outs) {
-        v.emplace_back(o.second);
-        EXPECT_EQ(cudaMemcpy(v.back().data(), o.first, o.second, cudaMemcpyDeviceToHost), cudaSuccess);
-      }
-      return v;
-    };
+                               const Mat& pool, const Outputs& outs) {
     const bool a = which == cuda::GroupedGemmArgs::Gather::kA;
-    (a ? g.a : g.b) = tok.dev.view().data;
-    g.gather = which, g.gather_tokens = T;
-    fill();
-    run(g);
-    const auto gathered = snapshot();
+    cuda::GroupedGemmArgs gathered = g;
+    (a ? gathered.a : gathered.b) = tok.dev.view().data;
+    gathered.gather = which, gathered.gather_tokens = T;
     (a ? g.a : g.b) = pool.dev.view().data;
-    g.gather = cuda::GroupedGemmArgs::Gather::kNone;
-    fill();
-    run(g);
-    const auto pooled = snapshot();
-    for (size_t i = 0; i < outs.size(); ++i) {
-      int64_t differ = 0;
-      for (size_t b = 0; b < outs[i].second; ++b) differ += gathered[i][b] != pooled[i][b];
-      EXPECT_EQ(differ, 0) << "output " << i << ": bytes that differ with gathered rows";
-      EXPECT_TRUE(std::any_of(gathered[i].begin(), gathered[i].end(), [](uint8_t b) { return b != 0xFF; }))
-          << "output " << i << " was not written";
-    }
+    expect_same_bytes(outs, [&] { run(gathered); }, [&] { run(g); }, "with gathered rows");
   }
 
   // I = 256: kDownGrad and kWeightGrad (N = I) get two column tiles.
@@ -447,15 +464,11 @@ TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
   for (const int64_t N : {H, int64_t{512}}) {
     ASSERT_EQ(N % 256, 0) << "the wide kDown tiles need N % 256 == 0";
     Mat a, w2, slots;
-    cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
-    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-    run(g);
-    const auto wide = slots.download();
-    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-    g.narrow_tiles = true;
-    run(g);
-    const auto narrow = slots.download();
-    EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "slots differ, N = " << N;
+    const cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
+    cuda::GroupedGemmArgs narrow = g;
+    narrow.narrow_tiles = true;
+    expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * N * 2)}}, [&] { run(g); },
+                      [&] { run(narrow); }, N == H ? "in the slots (N = 256)" : "in the slots (N = 512)");
   }
 }
 
@@ -922,15 +935,7 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
 
 TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   Mat dz, w13, slots;
-  random_pool(dz, 2 * I, 5);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
-  slots.make(k * T, H);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I;
-  g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = slots.dev.view().data;
-  run(g);
+  run(gate_up_grad_problem(dz, w13, slots, H));
   const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
   expect_slots_match(slots, ref, /*weighted=*/false);
@@ -943,23 +948,12 @@ TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
 TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
   for (const int64_t N : {H, int64_t{512}}) {
     Mat dz, w13, slots;
-    random_pool(dz, 2 * I, 5);
-    random_mat(w13, E * 2 * I, N, 1.0 / 16, 6);
-    slots.make(k * T, N);
-    cuda::GroupedGemmArgs g;
-    g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = N, g.k = 2 * I, g.intermediate = I;
-    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
-    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = N;
-    g.out0 = slots.dev.view().data;
-    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-    run(g);
-    const auto narrow = slots.download();
-    ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-    g.wide_backward = true;
-    run(g);
-    const auto wide = slots.download();
-    EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), wide.size() * sizeof(float)), 0) << "dx slots differ, N = " << N;
-    if (N == H) {
+    const cuda::GroupedGemmArgs narrow = gate_up_grad_problem(dz, w13, slots, N);
+    cuda::GroupedGemmArgs wide = narrow;
+    wide.wide_backward = true;
+    expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * N * 2)}}, [&] { run(narrow); },
+                      [&] { run(wide); }, N == H ? "in the dx slots (N = 256)" : "in the dx slots (N = 512)");
+    if (N == H) {  // the wide run's slots
       const auto ref = pool_gemm(dz, 2 * I, H, row_src, tile_expert, pool_rows,
                                  [&](int e, int64_t kk, int64_t n) { return w13.host[(e * 2 * I + kk) * H + n]; });
       expect_slots_match(slots, ref, /*weighted=*/false);
@@ -1008,18 +1002,7 @@ TEST_P(GroupedGemm, WideWeightGradTilesAreBitwiseTheNarrowOnes) {
       EXPECT_EQ(differ_pairs, 0) << "elements that differ from the pairs, N = " << N << ", form " << form;
       EXPECT_EQ(differ_one, 0) << "elements that differ from one CTA a tile, N = " << N << ", form " << form;
       if (N == I && form == 0) {
-        std::vector<float> gv;
-        std::vector<double> rv;
-        for (int e = 0; e < E; ++e)
-          for (int64_t m = 0; m < H; ++m)
-            for (int64_t n = 0; n < N; ++n) {
-              double acc = 0;
-              for (int64_t r = offsets[e]; r < offsets[e] + rows[e]; ++r)
-                acc += static_cast<double>(pa.host[r * H + m]) * pb.host[r * N + n];
-              rv.push_back(acc);
-              gv.push_back(static_cast<float>(wide[(e * H + m) * N + n]));
-            }
-        EXPECT_LT(rel_err(gv, rv), 1e-4);
+        EXPECT_LT(weight_grad_rel_err(pa, pb, N, [&](int64_t i) { return wide[i]; }), 1e-4);
       }
     }
   }
@@ -1099,18 +1082,7 @@ TEST_P(GroupedGemm, WeightGradMnMajorBothOperands) {
   run(weight_grad_problem(pa, pb, out));
   HostTensor got(DType::kF32, {E, H, I});
   ASSERT_TRUE(out.download(&got).ok());
-  std::vector<float> gv;
-  std::vector<double> rv;
-  for (int e = 0; e < E; ++e)
-    for (int64_t m = 0; m < H; ++m)
-      for (int64_t n = 0; n < I; ++n) {
-        double s = 0;
-        for (int64_t r = offsets[e]; r < offsets[e] + rows[e]; ++r)
-          s += static_cast<double>(pa.host[r * H + m]) * pb.host[r * I + n];
-        rv.push_back(s);
-        gv.push_back(static_cast<float>(got.get((e * H + m) * I + n)));
-      }
-  EXPECT_LT(rel_err(gv, rv), 1e-4);
+  EXPECT_LT(weight_grad_rel_err(pa, pb, I, [&](int64_t i) { return got.get(i); }), 1e-4);
 }
 
 // Error of `got` against `ref` (one output of the kDownGrad epilogue): the
@@ -1262,7 +1234,7 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   Mat x, w13, z, a, tok;
   cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   token_rows_and_pool(tok, x, H, 21);
-  const std::vector<std::pair<void*, size_t>> outs = {{z.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
+  const Outputs outs = {{z.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
                                                        {a.dev.view().data, static_cast<size_t>(C * I * 2)}};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
   g.narrow_tiles = true;
@@ -1473,24 +1445,33 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
 // The same for wide kGateUp tiles (both consumers on every stage): the
 // producer stops, both consumers' full waits give up, one reports, naming
 // the wide kernel (so this test also shows that the wide tiles ran). Then
-// the same call without the stall equals the narrow tiles bit for bit.
+// the same call without the stall equals the narrow tiles bit for bit. Also
+// with gathered rows (GroupedGemmArgs::gather: all 128 producer threads,
+// leaving together), against the narrow tiles on the pool.
 TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
-  Mat x, w13, z, a;
-  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
-  ASSERT_GE(stall, 0);
-  expect_stall_reported(g, errors, sms, stall,
-                        {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
-                         "phase " + std::to_string(stall) + " ", "gave up"});
-
-  g.errors = errors;
-  run(g);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  const auto z_wide = z.download(), a_wide = a.download();
-  g.narrow_tiles = true;
-  run(g);
-  EXPECT_EQ(std::memcmp(z.download().data(), z_wide.data(), z_wide.size() * sizeof(float)), 0) << "z";
-  EXPECT_EQ(std::memcmp(a.download().data(), a_wide.data(), a_wide.size() * sizeof(float)), 0) << "a";
+  for (const bool gathered : {false, true}) {
+    Mat x, w13, z, a, tok;
+    cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+    if (gathered) {  // x becomes the pool of tok's rows (a new buffer)
+      token_rows_and_pool(tok, x, H, 21);
+      g.a = x.dev.view().data;
+    }
+    cuda::GroupedGemmArgs narrow = g;
+    narrow.narrow_tiles = true;
+    if (gathered) g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+    const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
+    ASSERT_GE(stall, 0);
+    expect_stall_reported(g, errors, sms, stall,
+                          {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
+                           "phase " + std::to_string(stall) + " ", "gave up"});
+    g.errors = errors;
+    run(g);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const auto z_wide = z.download(), a_wide = a.download();
+    run(narrow);
+    EXPECT_EQ(std::memcmp(z.download().data(), z_wide.data(), z_wide.size() * sizeof(float)), 0) << "z";
+    EXPECT_EQ(std::memcmp(a.download().data(), a_wide.data(), a_wide.size() * sizeof(float)), 0) << "a";
+  }
 }
 
 // The same for wide kDown tiles; the report names the wide kernel, and the
@@ -1518,54 +1499,6 @@ TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
 // thread per ring): ring 0's producer stops at the iteration, ring 1's runs
 // on; the report's wait and phase are checked as loosely as when one
 // producer served both rings.
-// A gathering producer warp (its lanes leave together) stalled: the
-// consumers' full waits give up and report; the same call without the stall
-// then equals the pool's result.
-TEST_P(GroupedGemm, StalledGatheringProducerTimesOutAndReports) {
-  Mat x, w13, z, a, tok;
-  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  token_rows_and_pool(tok, x, H, 21);
-  g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
-  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
-  ASSERT_GE(stall, 0);
-  expect_stall_reported(g, errors, sms, stall,
-                        {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
-                         "phase " + std::to_string(stall) + " ", "gave up"});
-  g.errors = errors;
-  run(g);
-  const auto z_gathered = z.download();
-  g.a = x.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kNone;
-  run(g);
-  EXPECT_EQ(std::memcmp(z.download().data(), z_gathered.data(), z_gathered.size() * sizeof(float)), 0) << "z";
-}
-
-// The same for wide kWeightGrad tiles: the report names the wide kernel (so
-// this test also shows that the wide tiles ran); then the call without the
-// stall equals the pairs bit for bit.
-TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
-  Mat pa, pb;
-  random_pool(pa, H, 7);
-  random_pool(pb, I, 8);
-  DeviceTensor out;
-  cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
-  g.wide_backward = true;
-  const int64_t stall = std::min<int64_t>(2, (rows[0] + 63) / 64 - 1);  // CTA 0's first tile is expert 0's
-  ASSERT_GE(stall, 0);
-  expect_stall_reported(g, errors, sms, stall,
-                        {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
-                         "phase " + std::to_string(stall) + " ", "gave up"});
-  g.errors = errors;
-  run(g);
-  HostTensor wide(DType::kF32, {E, H, I}), pairs(DType::kF32, {E, H, I});
-  ASSERT_TRUE(out.download(&wide).ok());
-  g.wide_backward = false;
-  run(g);
-  ASSERT_TRUE(out.download(&pairs).ok());
-  int64_t differ = 0;
-  for (int64_t i = 0; i < E * H * I; ++i) differ += wide.get(i) != pairs.get(i);
-  EXPECT_EQ(differ, 0);
-}
-
 TEST_P(GroupedGemm, StalledFp8PipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
