@@ -41,9 +41,9 @@ inline constexpr int kBoxBytes = kBox * kBox * sizeof(Elem);  // one 128B-swizzl
 inline constexpr int kTileBytesA = kBlockM * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kTileBytesB = kBlockN * kBlockK * sizeof(Elem);  // 16 KB: two boxes
 inline constexpr int kStageBytes = kTileBytesA + kTileBytesB;
-// 128 x 256 tiles (the kernel's kWide; bf16 kGateUp and kDown): a stage holds
-// A's 128 rows and 256 rows of B (kGateUp: 128 gate, then the matching 128 up
-// rows).
+// 128 x 256 tiles (the kernel's kWide; bf16 kGateUp, kDown, kGateUpGrad,
+// kWeightGrad): a stage holds A's 128 rows and 256 rows (or columns) of B
+// (kGateUp: 128 gate, then the matching 128 up rows).
 template <bool kWide>
 inline constexpr int kStageBytesOf = kWide ? kTileBytesA + 2 * kTileBytesB : kStageBytes;
 // kDownGrad's z chunk: 64 rows of a tile's g and u columns, four boxes.
