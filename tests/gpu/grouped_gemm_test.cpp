@@ -1495,6 +1495,45 @@ TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
   EXPECT_EQ(std::memcmp(slots.download().data(), wide.data(), wide.size() * sizeof(float)), 0);
 }
 
+// The same for wide kGateUpGrad tiles (GroupedGemmArgs::wide_backward): the
+// report names the wide kernel (so the bitwise test above ran it); then the
+// call without the stall equals the narrow tiles' slots bit for bit.
+TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
+  Mat dz, w13, slots;
+  const cuda::GroupedGemmArgs narrow = gate_up_grad_problem(dz, w13, slots, H);
+  cuda::GroupedGemmArgs g = narrow;
+  g.wide_backward = true;
+  const int64_t stall = stall_iteration(pool_rows / 128 * (H / 256), 2 * I / 64);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kGateUpGrad (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * H * 2)}}, [&] { run(g); },
+                    [&] { run(narrow); }, "in the dx slots after a stall");
+}
+
+// The same for wide kWeightGrad tiles: the report names the wide kernel (so
+// this test also shows that the wide tiles ran); then the call without the
+// stall equals the pairs bit for bit.
+TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
+  Mat pa, pb;
+  random_pool(pa, H, 7);
+  random_pool(pb, I, 8);
+  DeviceTensor out;
+  cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
+  cuda::GroupedGemmArgs pairs = g;
+  g.wide_backward = true;
+  const int64_t stall = std::min<int64_t>(2, (rows[0] + 63) / 64 - 1);  // CTA 0's first tile is expert 0's
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  expect_same_bytes({{out.view().data, static_cast<size_t>(E * H * I * 4)}}, [&] { run(g); }, [&] { run(pairs); },
+                    "in dW after a stall");
+}
+
 // The same on split rings (the FP8 kernels: a ring per consumer, a producer
 // thread per ring): ring 0's producer stops at the iteration, ring 1's runs
 // on; the report's wait and phase are checked as loosely as when one
