@@ -300,11 +300,35 @@ int main(int argc, char** argv) {
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
+  // The backward's 128 x 256 tiles (GroupedGemmArgs::wide_backward; off in the layer until measured).
+  auto wide_backward = [](cuda::GroupedGemmArgs g) {
+    g.wide_backward = true;
+    return g;
+  };
+  time_gemm("kGateUpGrad bf16 wide", wide_backward(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
+  time_gemm("dW2 bf16 wide", wide_backward(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr)),
+            2 * routes * Hd * Id);
+  time_gemm("dW13 bf16 wide", wide_backward(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
+            2 * routes * 2 * Id * Hd);
+  // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.5-3x the pooled kernels' time in
+  // session 33), against the bf16 rows above plus `gather x pool` below.
+  uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
+  auto gathered = [&](cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which) {
+    (which == cuda::GroupedGemmArgs::Gather::kA ? g.a : g.b) = tokens;
+    g.gather = which, g.gather_tokens = T;
+    return g;
+  };
+  const auto kGatherA = cuda::GroupedGemmArgs::Gather::kA, kGatherB = cuda::GroupedGemmArgs::Gather::kB;
+  time_gemm("kGateUp bf16 gather", gathered(gate_up(false), kGatherA), 2 * routes * 2 * Id * Hd);
+  time_gemm("kDownGrad bf16 gather", gathered(down_grad(false), kGatherA), 2 * routes * Hd * Id);
+  time_gemm("dW2 bf16 gather", gathered(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), kGatherA),
+            2 * routes * Hd * Id);
+  time_gemm("dW13 bf16 gather", gathered(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), kGatherB),
+            2 * routes * 2 * Id * Hd);
   rows.push_back({"quantize x pool", median_ms([&] { CHECK_OK(cuda::quantize_e4m3_rows(x, C, H, kScale, qx, sx, nullptr)); },
                                               warmup, iters), 0});
   // The pool's gather alone, and fused with the row quantizer (`dy`: with the bf16 pool too, as an EP owner's
   // backward keeps it).
-  uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
   uint16_t* pool_copy = random_bf16(C * H, 1.0f, 10);
   rows.push_back({"gather x pool", median_ms([&] {
                     CHECK_OK(cuda::gather_rows(tokens, H, plan.row_src, k, plan.pool_rows, C, pool_copy, nullptr));
