@@ -581,8 +581,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           bulk_wait_group<0>();  // and the previous epilogue's stores (they read shared memory)
           return;
         }
-        // Gathered rows came by cp.async (generic proxy); wgmma reads through the async proxy.
+        // Gathered rows came by cp.async (generic proxy); wgmma reads through
+        // the async proxy. (-DMEGAMOE_GATHER_NO_PROXY_FENCE=ON leaves the
+        // fence out, as SonicMoE's Hopper hand-off does: an experiment,
+        // docs/fp8-plan.md "Next" item 1.)
+#ifndef MEGAMOE_GATHER_NO_PROXY_FENCE
         if constexpr (kGather != kGatherNone) fence_proxy_async_shared();
+#endif
         const uint8_t* sa = my_stages + ps.stage() * kStage;
         const uint8_t* sb = sa + kTileBytesA;
         // Between here and the wait<0> after the loop, nothing but wgmma touches

@@ -47,17 +47,38 @@ Status check_hopper(int device) {
   return verdict[device] == 1 ? Status::Ok() : unimplemented("backend cuda: the kernels need a Hopper GPU (sm_90)");
 }
 
-// x gathered into the pool, then GEMM1 + SwiGLU in the forward's precision: z
-// into z_pool, a into a_pool (either may be null). FP8 quantises the token
-// rows as it scatters them into the pool (no bf16 x pool).
+// The bf16 GEMMs gather x's and dy's token rows themselves
+// (GroupedGemmArgs::gather) instead of reading pools made by gather_rows:
+// an experiment, only when built with -DMEGAMOE_GATHER_ROWS=ON (1.5-3x
+// slower in session 33; docs/fp8-plan.md "Next" item 1). The pools stay
+// allocated either way.
+#ifdef MEGAMOE_GATHER_ROWS
+constexpr bool kGatherRows = true;
+#else
+constexpr bool kGatherRows = false;
+#endif
+bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
+
+// `rows` (the token rows [T, cols]) as g's gathered operand `which`.
+void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const void* rows, const LayerDims& d) {
+  (which == GroupedGemmArgs::Gather::kA ? g.a : g.b) = rows;
+  g.gather = which, g.gather_tokens = d.tokens;
+}
+
+// x gathered into the pool (or by the GEMM: gathers_rows), then GEMM1 +
+// SwiGLU in the forward's precision: z into z_pool, a into a_pool (either
+// may be null). FP8 quantises the token rows as it scatters them into the
+// pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  MEGAMOE_RETURN_IF_ERROR(
-      gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
+  if (!gathers_rows(d))
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
+  if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);
 }
@@ -166,10 +187,12 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
     MEGAMOE_RETURN_IF_ERROR(
         fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   } else {
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-    MEGAMOE_RETURN_IF_ERROR(
-        detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
+    if (!gathers_rows(d))
+      MEGAMOE_RETURN_IF_ERROR(
+          gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+    MEGAMOE_RETURN_IF_ERROR(detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights,
+                                                    grads.d_topk_weights, sms, nullptr,
+                                                    gathers_rows(d) ? dy : nullptr));
   }
   // dx: the fixed-order sum of its slots.
   MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
@@ -183,6 +206,14 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(fp8_down_weight_grad(call, plan, c, f, dy, grads, sms));
     return fp8_gate_up_weight_grad(call, plan, c, f, in.x, grads, sms);
+  }
+  if (gathers_rows(d)) {  // dy's and x's rows gathered by the GEMMs (the experiment above)
+    GroupedGemmArgs dw2 = detail::weight_grad(call, plan, C, nullptr, H, c.a_pool, I, grads.dw2, grads);
+    gather_in_gemm(dw2, GroupedGemmArgs::Gather::kA, dy, d);
+    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
+    GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, nullptr, H, grads.dw13, grads);
+    gather_in_gemm(dw13, GroupedGemmArgs::Gather::kB, in.x, d);
+    return launch_grouped_gemm(dw13, sms, call.stream);
   }
   MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
                                            f.wa_ts, grads.dw2, grads, sms));

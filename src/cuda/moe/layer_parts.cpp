@@ -136,10 +136,11 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
 
 Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
                        const float* topk_weights, float* d_topk, int sms,
-                       const GroupedGemmArgs::PeerSlots* dx_peer_slots) {
+                       const GroupedGemmArgs::PeerSlots* dx_peer_slots, const void* dy_tokens) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
+  if (dy_tokens != nullptr) gd.a = dy_tokens, gd.gather = GroupedGemmArgs::Gather::kA, gd.gather_tokens = d.tokens;
   gd.topk_weights = topk_weights;
   gd.z_pool = c.pv.z_pool;
   gd.out0 = c.dz_pool;

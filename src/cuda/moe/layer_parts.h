@@ -52,9 +52,11 @@ GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan
 // a_pool), the partials reduced into d_topk [num_tokens * top_k], then the dx
 // slots = dz @ w13[e] (c.slots, or the source ranks' return areas when
 // dx_peer_slots is given: expert parallelism). w2 / w13: the plan's experts' weights.
+// dy_tokens: dy's token rows [T, H], gathered by the GEMM (GroupedGemmArgs::gather),
+// instead of the pool c.xdy_pool.
 Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
                        const float* topk_weights, float* d_topk, int sms,
-                       const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
+                       const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
 
 // dW[e] = A_pool^T @ B_pool over each expert's rows (K-grouped).
 GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,
