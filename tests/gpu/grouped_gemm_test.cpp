@@ -37,6 +37,8 @@ struct Mat {
     for (int64_t i = 0; i < rows * cols; ++i) h.set(i, host[i]);
     ASSERT_TRUE(dev.upload(h).ok());
   }
+  // The device buffer and its bytes (bf16), as an output of expect_same_bytes.
+  std::pair<void*, size_t> bytes() const { return {dev.view().data, static_cast<size_t>(rows * cols * 2)}; }
   std::vector<float> download(DType t = DType::kBF16) const {
     HostTensor h(t, {rows, cols});
     EXPECT_TRUE(dev.download(&h).ok());
@@ -469,7 +471,7 @@ TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
     const cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
     cuda::GroupedGemmArgs narrow = g;
     narrow.narrow_tiles = true;
-    expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * N * 2)}}, [&] { run(g); },
+    expect_same_bytes({slots.bytes()}, [&] { run(g); },
                       [&] { run(narrow); }, N == H ? "in the slots (N = 256)" : "in the slots (N = 512)");
   }
 }
@@ -604,7 +606,7 @@ TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
   const auto ref = pool_gemm_values(qa.value, I, H, row_src, tile_expert, pool_rows,
                                     [&](int e, int64_t kk, int64_t n) { return qw.value[(e * H + n) * I + kk]; });
   expect_slots_match(slots, ref, /*weighted=*/true);
-  expect_scales_by_k_block_bitwise(g, {{slots.dev.view().data, static_cast<size_t>(k * T * H * 2)}});
+  expect_scales_by_k_block_bitwise(g, {slots.bytes()});
 }
 
 // Power-of-two scales make every dequantised value (an e4m3 value times 2^k)
@@ -896,7 +898,7 @@ TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
   const double err = rel_err(got, ref);
   std::printf("  FP8 kGateUpGrad dx slots vs bf16 on the same values: %.2e\n", err);
   EXPECT_LT(err, 4e-3);
-  expect_scales_by_k_block_bitwise(g, {{slots8.dev.view().data, static_cast<size_t>(k * T * H * 2)}});
+  expect_scales_by_k_block_bitwise(g, {slots8.bytes()});
 }
 
 TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
@@ -953,7 +955,7 @@ TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
     const cuda::GroupedGemmArgs narrow = gate_up_grad_problem(dz, w13, slots, N);
     cuda::GroupedGemmArgs wide = narrow;
     wide.wide_backward = true;
-    expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * N * 2)}}, [&] { run(narrow); },
+    expect_same_bytes({slots.bytes()}, [&] { run(narrow); },
                       [&] { run(wide); }, N == H ? "in the dx slots (N = 256)" : "in the dx slots (N = 512)");
     // The wide run's slots against the CPU.
     const auto ref = pool_gemm(dz, 2 * I, N, row_src, tile_expert, pool_rows,
@@ -1238,8 +1240,7 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   token_rows_and_pool(tok, x, H, 21);  // x: a new buffer
   g.a = x.dev.view().data;
-  const Outputs outs = {{z.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
-                                                       {a.dev.view().data, static_cast<size_t>(C * I * 2)}};
+  const Outputs outs = {z.bytes(), a.bytes()};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
   g.narrow_tiles = true;
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
@@ -1253,8 +1254,7 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
   g.a = dy.dev.view().data;
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy,
-                          {{dz.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
-                           {wa.dev.view().data, static_cast<size_t>(C * I * 2)},
+                          {dz.bytes(), wa.bytes(),
                            {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}});
 }
 
@@ -1470,8 +1470,7 @@ TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
                           {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
                            "phase " + std::to_string(stall) + " ", "gave up"});
     g.errors = errors;
-    expect_same_bytes({{z.dev.view().data, static_cast<size_t>(C * 2 * I * 2)},
-                       {a.dev.view().data, static_cast<size_t>(C * I * 2)}},
+    expect_same_bytes({z.bytes(), a.bytes()},
                       [&] { run(g); }, [&] { run(narrow); }, gathered ? "(gathered, after a stall)" : "(after a stall)");
   }
 }
@@ -1511,7 +1510,7 @@ TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
                         {"grouped GEMM kGateUpGrad (128 x 256 tiles),", "block ", "full barrier",
                          "phase " + std::to_string(stall) + " ", "gave up"});
   g.errors = errors;
-  expect_same_bytes({{slots.dev.view().data, static_cast<size_t>(k * T * H * 2)}}, [&] { run(g); },
+  expect_same_bytes({slots.bytes()}, [&] { run(g); },
                     [&] { run(narrow); }, "in the dx slots after a stall");
 }
 

@@ -44,7 +44,7 @@ using namespace engine;
 // boxes 0-1 and the matching 128 up rows into boxes 2-3; kDown's 256 rows of
 // expert e's w2 (output columns 256n..) into boxes 0-3; kGateUpGrad's and
 // kWeightGrad's B (MN-major) as four 64-column boxes of the tile's 256.
-// kGather: the operand the producer warp gathers row by row (gather_rows_into_stage) is skipped here.
+// kGather: the operand the producer warpgroup gathers (RowGather) is skipped here.
 template <GemmMode M, bool kPair, bool kBT, bool kFp8, bool kWide = false, int kGather = kGatherNone>
 __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, const Tile& tile, int kb, uint8_t* smem_a,
@@ -61,7 +61,7 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
     constexpr bool kAMn = T::kAMnMajor && !kFp8;  // FP8 kWeightGrad reads A^T, K-major
     const int c0 = kAMn ? a_row : k0, c1 = kAMn ? k0 : a_row;
     if constexpr (kGather == kGatherA) {
-      // gathered by the producer warp
+      // gathered by the producer warpgroup (RowGather)
     } else if constexpr (kPair) {
       if (box == static_cast<int>(rank)) tma_load_2d_multicast(smem_a + box * kBoxBytes, map_a, full, c0, c1, 0b11);
     } else {
