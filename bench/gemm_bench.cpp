@@ -300,15 +300,15 @@ int main(int argc, char** argv) {
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16", wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), 2 * routes * 2 * Id * Hd);
   time_gemm("dW13 fp8", wgrad(true, 2 * I, H, nullptr, nullptr, dzq_t, dzs_t, xq_t, xs_t), 2 * routes * 2 * Id * Hd);
-  // The backward's 128 x 256 tiles (GroupedGemmArgs::wide_backward; off in the layer until measured).
-  auto wide_backward = [](cuda::GroupedGemmArgs g) {
-    g.wide_backward = true;
+  // The bf16 rows above run in 128 x 256 tiles where they apply; the 128 x 128 tiles (kWeightGrad: CTA pairs).
+  auto narrow = [](cuda::GroupedGemmArgs g) {
+    g.narrow_tiles = true;
     return g;
   };
-  time_gemm("kGateUpGrad bf16 wide", wide_backward(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
-  time_gemm("dW2 bf16 wide", wide_backward(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr)),
+  time_gemm("kGateUpGrad bf16 narrow", narrow(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
+  time_gemm("dW2 bf16 narrow", narrow(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * Hd * Id);
-  time_gemm("dW13 bf16 wide", wide_backward(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
+  time_gemm("dW13 bf16 narrow", narrow(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * 2 * Id * Hd);
   // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.5-3x the pooled kernels' time in
   // session 33), against the bf16 rows above plus `gather x pool` below.

@@ -945,16 +945,16 @@ TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
   expect_slots_match(slots, ref, /*weighted=*/false);
 }
 
-// bf16 kGateUpGrad in 128 x 256 tiles (GroupedGemmArgs::wide_backward)
-// against the 128 x 128 tiles: the dx slots bit for bit (NaN-filled first).
+// bf16 kGateUpGrad in 128 x 256 tiles (the default) against the 128 x 128
+// tiles (GroupedGemmArgs::narrow_tiles): the dx slots bit for bit (NaN-filled first).
 // N = 256 (one wide column tile) and 512 (two: tile.n > 0 reaches B's
 // columns and the slot columns); the wide slots also against the CPU.
 TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
   for (const int64_t N : {H, int64_t{512}}) {
     Mat dz, w13, slots;
-    const cuda::GroupedGemmArgs narrow = gate_up_grad_problem(dz, w13, slots, N);
-    cuda::GroupedGemmArgs wide = narrow;
-    wide.wide_backward = true;
+    const cuda::GroupedGemmArgs wide = gate_up_grad_problem(dz, w13, slots, N);
+    cuda::GroupedGemmArgs narrow = wide;
+    narrow.narrow_tiles = true;
     expect_same_bytes({slots.bytes()}, [&] { run(narrow); },
                       [&] { run(wide); }, N == H ? "in the dx slots (N = 256)" : "in the dx slots (N = 512)");
     // The wide run's slots against the CPU.
@@ -988,7 +988,7 @@ TEST_P(GroupedGemm, WideWeightGradTilesAreBitwiseTheNarrowOnes) {
         } else {
           EXPECT_TRUE(out.fill_bytes(0xFF).ok());
         }
-        g.wide_backward = wide, g.pair_ctas = pairs;
+        g.narrow_tiles = !wide, g.pair_ctas = pairs;
         run(g);
         HostTensor h(t, {E, H, N});
         EXPECT_TRUE(out.download(&h).ok());
@@ -1221,6 +1221,7 @@ TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
 
   DeviceTensor out;
   cuda::GroupedGemmArgs w = weight_grad_problem(dy, wa, out);
+  w.narrow_tiles = true;  // (the 128 x 256 tiles, the default, replace the pairs)
   run(w);
   HostTensor w1(DType::kF32, {E, H, I}), w2h(DType::kF32, {E, H, I});
   ASSERT_TRUE(out.download(&w1).ok());
@@ -1496,14 +1497,14 @@ TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
   EXPECT_EQ(std::memcmp(slots.download().data(), wide.data(), wide.size() * sizeof(float)), 0);
 }
 
-// The same for wide kGateUpGrad tiles (GroupedGemmArgs::wide_backward): the
+// The same for wide kGateUpGrad tiles (the default): the
 // report names the wide kernel (so the bitwise test above ran it); then the
 // call without the stall equals the narrow tiles' slots bit for bit.
 TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
   Mat dz, w13, slots;
-  const cuda::GroupedGemmArgs narrow = gate_up_grad_problem(dz, w13, slots, H);
-  cuda::GroupedGemmArgs g = narrow;
-  g.wide_backward = true;
+  cuda::GroupedGemmArgs g = gate_up_grad_problem(dz, w13, slots, H);
+  cuda::GroupedGemmArgs narrow = g;
+  narrow.narrow_tiles = true;
   const int64_t stall = stall_iteration(pool_rows / 128 * (H / 256), 2 * I / 64);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
@@ -1524,7 +1525,7 @@ TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
   DeviceTensor out;
   cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
   cuda::GroupedGemmArgs pairs = g;
-  g.wide_backward = true;
+  pairs.narrow_tiles = true;
   // CTA 0's stage iterations: its tiles t = 0, sms, ... (two a expert: H / 128 row tiles, one 256-column tile).
   int64_t cta0 = 0;
   for (int64_t t = 0; t < E * (H / 128); t += sms) cta0 += (rows[t / (H / 128)] + 63) / 64;

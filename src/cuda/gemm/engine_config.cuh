@@ -119,7 +119,7 @@ inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageByt
                                   2 * kEpilogueBytesOf<M, kFp8> + ModeTraits<M>::kBarriers * 8 +
                                   ModeTraits<M>::kRowDstBytes + 16;
 // Wide tiles (kWide: kGateUp and kDown, bf16; kGateUpGrad and kWeightGrad
-// with GroupedGemmArgs::wide_backward): kWideStages stages of 48 KB,
+// unless GroupedGemmArgs::narrow_tiles): kWideStages stages of 48 KB,
 // and each consumer's epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes
 // (8 KB each). kGateUp passes z's gate and up halves and a through it on
 // their way out by TMA store: with 2 boxes (4 stages) one at a time, with 4

@@ -279,9 +279,8 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
 // one ring per consumer, main loops at the same time). kARing: M-grouped FP8
 // with A's scales through a scale ring (GroupedGemmArgs::a_scales_by_k_block).
 // kWide: bf16 kGateUp in 128 x 256 tiles (128 gate + 128 up columns, whole
-// SwiGLU pairs), and bf16 kDown, kGateUpGrad and kWeightGrad (the last two
-// with GroupedGemmArgs::wide_backward) in 128 x 256 tiles; both consumers on every
-// tile at once, consumer c on rows [64c, 64c + 64) with one m64n256k16 a
+// SwiGLU pairs), and bf16 kDown, kGateUpGrad and kWeightGrad in 128 x 256
+// tiles (GroupedGemmArgs::narrow_tiles unset); both consumers on every tile at once, consumer c on rows [64c, 64c + 64) with one m64n256k16 a
 // k-step; a stage is released when both have read it. The bare loop of this shape ran 9-13% faster than the
 // 128 x 128 split one in bench/fp8_tile_probe.cu (perf-log, session 31).
 // kGather (kGatherA, kGatherB): that operand's rows are gathered from token
@@ -818,9 +817,8 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // 128 == 0), kDown with N % 256 == 0 writing this GPU's slots (not peer
   // slots); no row holds (expert parallelism's owners keep the 128 x 128
   // tiles); unless a test asks for the narrow ones. kGateUpGrad (B as given,
-  // this GPU's slots) and kWeightGrad with N % 256 == 0 when asked for
-  // (wide_backward).
-  const bool wide_bwd = args.wide_backward && args.gather == Gather::kNone && !args.b_k_major && args.n % 256 == 0 &&
+  // this GPU's slots) and kWeightGrad with N % 256 == 0, rows not gathered.
+  const bool wide_bwd = args.gather == Gather::kNone && !args.b_k_major && args.n % 256 == 0 &&
                         ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
                          args.mode == GemmMode::kWeightGrad);
   const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&

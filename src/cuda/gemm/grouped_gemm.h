@@ -146,19 +146,15 @@ struct GroupedGemmArgs {
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
   // set false to compare with the one-CTA path.
   bool pair_ctas = true;
-  // bf16 kGateUp runs in 128 x 256 tiles (128 gate + 128 up columns) when I
-  // is a multiple of 128, and bf16 kDown when N is a multiple of 256 (no
-  // peer_slots), both when rows_ready is unset; tests set true to compare
-  // with the 128 x 128 tiles, which are bitwise the same.
+  // bf16 runs in 128 x 256 tiles, both consumers on each, when rows_ready is
+  // unset and no rows are gathered: kGateUp (128 gate + 128 up columns) when
+  // I is a multiple of 128; kDown when N is a multiple of 256 (no
+  // peer_slots); kGateUpGrad (B as given, no peer_slots) and kWeightGrad
+  // (instead of its CTA pairs) when N is a multiple of 256. Tests set true
+  // to compare with the 128 x 128 tiles, which are bitwise the same (the
+  // same products summed in the same order). The backward's wide tiles:
+  // kGateUpGrad -11%, dW2 -4%, dW13 -3% at Qwen3-235B-A22B (session 34).
   bool narrow_tiles = false;
-  // bf16 kGateUpGrad (B as given, this GPU's slots) and kWeightGrad in 128 x
-  // 256 tiles, both consumers on each (kWeightGrad: instead of its CTA
-  // pairs), where N is a multiple of 256. Bitwise the 128 x 128 tiles'
-  // result by construction (the same products summed in the same order, as
-  // the forward's wide tiles); written in session 33 without a GPU: off
-  // until its tests and an A/B have run (the layer turns it on when built
-  // with -DMEGAMOE_WIDE_BACKWARD=ON).
-  bool wide_backward = false;
   // Gathered rows (bf16, the one-GPU layer): the operand named here is the
   // token matrix itself, [gather_tokens, its cols], instead of a pool made
   // of it by gather_rows: the producer threads copy pool row r from token row

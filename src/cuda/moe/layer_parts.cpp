@@ -94,14 +94,6 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d) {
   return p;
 }
 
-// The backward's 128 x 256 tiles (GroupedGemmArgs::wide_backward): in the
-// layer only when built with -DMEGAMOE_WIDE_BACKWARD=ON, until measured.
-#ifdef MEGAMOE_WIDE_BACKWARD
-constexpr bool kWideBackward = true;
-#else
-constexpr bool kWideBackward = false;
-#endif
-
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n) {
   GroupedGemmArgs g;
@@ -129,7 +121,6 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
   g.out0 = out;
   g.out_f32 = grads.wgrad_f32;
   g.accumulate = grads.accumulate;
-  g.wide_backward = kWideBackward;
   g.errors = call.errors;
   return g;
 }
@@ -151,7 +142,6 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * 2 * I, H, H);
   gx.out0 = c.slots;
-  gx.wide_backward = kWideBackward;  // (with dx_peer_slots the engine keeps the 128 x 128 tiles)
   if (dx_peer_slots != nullptr) gx.peer_slots = *dx_peer_slots;
   return launch_grouped_gemm(gx, sms, call.stream);
 }
