@@ -25,6 +25,7 @@
 #include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/epilogues.cuh"
 #include "cuda/gemm/pipeline.cuh"
+#include "cuda/gemm/route_division.h"
 #include "cuda/gemm/tensor_map.h"
 #include "cuda/gemm/tile_scheduler.cuh"
 #include "cuda/ptx/sm90.cuh"
@@ -113,42 +114,54 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // of a padding row (row_src -1) reads nothing and writes zeros.
 // Thread t copies chunk t % 8 of 8 rows, each eight threads one 128-byte
 // row (coalesced): M-grouped (K-major A, 128 tile rows x the k-block's 64
-// columns): rows i * 16 + 4 w + j (warp w, j = lane / 8, i < 8).
-// kWeightGrad (MN-major; K = pool rows): the k-block's 64 pool rows x the
-// tile's 128 columns as two 64-column boxes: box i / 4, pool row
-// (i % 4) * 16 + 4 w + j.
-// Token look-ups: lane l holds the token of one row (RowGather::row_of) and
-// the others take it by shuffle.
+// columns): rows i * 16 + 4 w + j (warp w, j = lane / 8, i < 8), the same
+// rows for all of a tile's k-blocks. kWeightGrad (MN-major; K = pool rows):
+// the k-block's 64 pool rows x the tile's 128 columns as two 64-column
+// boxes: box i / 4, pool row (i % 4) * 16 + 4 w + j, four rows a k-block.
+// Row r's swizzle, r % 8 = (4 w + j) % 8, is the same for all of a thread's
+// rows: its copies land at one offset plus constants.
+// The producer warps have 40 registers and share their schedulers with the
+// consumers, so a copy is an address add and the cp.async: each thread
+// looks its rows' tokens up once (M-grouped: a tile; kWeightGrad: a k-block,
+// one ahead) into 16-byte-unit offsets. Looking them up by shuffle and
+// multiplying per copy ran the producer out of issue slots (~320
+// instructions a warp a stage; the gathering kGateUp 1.5x the pooled one,
+// Nsight Compute, session 34).
 template <GemmMode M>
 struct RowGather {
   static constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  const char* rows;  // the token matrix
-  int64_t pitch;     // its row length in bytes
-  int c0;            // kWeightGrad: the tile's first column
-  // The row (M-grouped: of the tile; kWeightGrad: of the k-block) whose token lane l looks up.
-  __device__ __forceinline__ static int row_of(int lane) {
-    const int w = static_cast<int>(threadIdx.x / 32) & 3;
-    return (kWgrad ? (lane >> 2) & 3 : lane >> 2) * 16 + 4 * w + (lane & 3);
+  static constexpr int kRows = kWgrad ? 4 : 8;  // this thread's rows a stage
+  const char* rows;   // the token matrix, advanced to this thread's chunk (and kWeightGrad: the tile's columns)
+  uint32_t pitch16;   // its row length in 16-byte units
+  RouteDivisor top_k;  // token = route / top_k
+  uint32_t dst;       // this thread's byte offset in a stage's gathered operand
+
+  __device__ __forceinline__ static int warp() { return static_cast<int>(threadIdx.x / 32) & 3; }
+  __device__ __forceinline__ static int lane_row() { return 4 * warp() + static_cast<int>((threadIdx.x & 31) >> 3); }
+  // Pool row `row`'s offset in 16-byte units into `off`, and whether it is a token's (not padding).
+  __device__ __forceinline__ uint32_t look_up(const KernelParams& p, int64_t row, uint32_t& off) const {
+    const int src = __ldg(p.args.plan.row_src + row);
+    const uint32_t u = static_cast<uint32_t>(src);
+    off = src < 0 ? 0u : top_k.divide(u) * pitch16;
+    return src >= 0 ? 1u : 0u;
   }
-  // The token of pool row `pool_row` (-1: padding).
-  __device__ __forceinline__ static int token(const KernelParams& p, int64_t pool_row) {
-    const int src = __ldg(p.args.plan.row_src + pool_row);
-    return src < 0 ? -1 : src / p.args.plan.top_k;
+  // The offsets of this thread's rows from pool row `first` on (M-grouped: the tile's first row;
+  // kWeightGrad: the k-block's); bit i of the result: row i is a token's.
+  __device__ __forceinline__ uint32_t look_up_all(const KernelParams& p, int64_t first, uint32_t (&off)[kRows]) const {
+    uint32_t valid = 0;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) valid |= look_up(p, first + i * 16 + lane_row(), off[i]) << i;
+    return valid;
   }
-  // This thread's copies into `dst` (the stage's gathered operand) for k-block kb; my_tok: this lane's token.
-  __device__ __forceinline__ void copy(uint8_t* dst, int kb, int my_tok) const {
-    const int lane = static_cast<int>(threadIdx.x & 31), w = static_cast<int>(threadIdx.x / 32) & 3;
-    const int chunk = lane & 7, j = lane >> 3;
-    const uint32_t base = smem_u32(dst);
-#pragma unroll 2
+  // This thread's copies into `stage` (the stage's gathered operand) for k-block kb.
+  __device__ __forceinline__ void copy(uint8_t* stage, int kb, const uint32_t (&off)[kRows], uint32_t valid) const {
+    const uint32_t to = smem_u32(stage) + dst;
+    const char* from = kWgrad ? rows : rows + kb * kBlockK * 2;
+#pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int tok = __shfl_sync(0xffffffffu, my_tok, (kWgrad ? i & 3 : i) * 4 + j);
-      const int r = (kWgrad ? i & 3 : i) * 16 + 4 * w + j;  // row in the stage (kWeightGrad: in box i / 4)
-      const int box = kWgrad ? i >> 2 : 0;
-      const int col = kWgrad ? c0 + box * 64 : kb * kBlockK;  // first element of the row's 64
-      const uint32_t to = base + box * kBoxBytes + r * 128 + ((chunk ^ (r & 7)) << 4);
-      const char* from = tok < 0 ? rows : rows + tok * pitch + col * 2 + chunk * 16;
-      cp_async_16(to, from, tok >= 0);
+      const int row = kWgrad ? i & 3 : i, box = kWgrad ? i >> 2 : 0;
+      cp_async_16(to + box * kBoxBytes + row * 16 * 128, from + box * 128 + static_cast<uint64_t>(off[row]) * 16,
+                  (valid >> row) & 1u);
     }
   }
 };
@@ -438,27 +451,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         // here waits for them; the consumers' proxy fence after the full
         // wait orders these generic-proxy writes before their wgmma reads.
         // A warp's lane 0 waits for free slots for the warp, so that the warp
-        // leaves together. Measured 1.5-3x slower than reading a pool, as was
-        // publishing each stage two stages late after wait_group and a
-        // producer-side proxy fence (perf-log, session 33).
-        const int lane = static_cast<int>(threadIdx.x & 31);
-        const RowGather<M> gather{static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b),
-                                  (kGather == kGatherA ? p.args.a_cols : p.args.b_cols) * 2, 0};
+        // leaves together.
+        const int lane = static_cast<int>(threadIdx.x & 31), chunk = lane & 7;
+        using Gathering = RowGather<M>;
+        constexpr int kRows = Gathering::kRows;
+        Gathering g;
+        g.pitch16 = static_cast<uint32_t>((kGather == kGatherA ? p.args.a_cols : p.args.b_cols) / 8);
+        g.top_k = RouteDivisor::of(static_cast<uint32_t>(p.args.plan.top_k));
+        g.dst = Gathering::lane_row() * 128 + ((chunk ^ (Gathering::lane_row() & 7)) << 4);
+        const char* token_rows = static_cast<const char*>(kGather == kGatherA ? p.args.a : p.args.b) + chunk * 16;
         State ps;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
           const Tile tile = scheduler.tile(t);
-          RowGather<M> g = gather;
-          if constexpr (M == GemmMode::kWeightGrad) g.c0 = (kGather == kGatherA ? tile.m : tile.n) * kBlockN;
-          // M-grouped: this lane's row of the tile. kWeightGrad: K is pool rows,
-          // so each k-block has its own, looked up a k-block ahead (next_tok).
+          if (tile.k_blocks == 0) continue;
+          // kWeightGrad: the tile's 128 columns of the token rows.
+          g.rows = token_rows + (M == GemmMode::kWeightGrad ? (kGather == kGatherA ? tile.m : tile.n) * kBlockN * 2 : 0);
+          // M-grouped: this thread's rows of the tile, for all its k-blocks. kWeightGrad:
+          // K is pool rows, so each k-block has its own, looked up a k-block ahead.
           const int64_t first_row =
               M == GemmMode::kWeightGrad ? tile.k_begin : static_cast<int64_t>(tile.m) * kBlockM;
-          int my_tok = tile.k_blocks > 0 ? RowGather<M>::token(p, first_row + RowGather<M>::row_of(lane)) : 0;
+          uint32_t off[kRows], next_off[kRows];
+          uint32_t valid = g.look_up_all(p, first_row, off), next_valid = valid;
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
-            int next_tok = my_tok;
             if constexpr (M == GemmMode::kWeightGrad)
-              if (kb + 1 < tile.k_blocks)
-                next_tok = RowGather<M>::token(p, first_row + (kb + 1) * kBlockK + RowGather<M>::row_of(lane));
+              if (kb + 1 < tile.k_blocks) next_valid = g.look_up_all(p, first_row + (kb + 1) * kBlockK, next_off);
             if (static_cast<int64_t>(ps.it) == stall_at) return;
             if (!__shfl_sync(0xffffffffu, lane == 0 ? ring.wait_empty(waits, ps) : false, 0)) {
               cp_async_wait_all();  // no copy may land after the CTA has gone
@@ -466,9 +482,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
             uint8_t* stage = smem + ps.stage() * kStage;
-            g.copy(kGather == kGatherA ? stage : stage + kTileBytesA, kb, my_tok);
+            g.copy(kGather == kGatherA ? stage : stage + kTileBytesA, kb, off, valid);
             cp_async_arrive_noinc(&ring.full[ps.stage()]);
-            my_tok = next_tok;
+            if constexpr (M == GemmMode::kWeightGrad) {
+#pragma unroll
+              for (int i = 0; i < kRows; ++i) off[i] = next_off[i];
+              valid = next_valid;
+            }
           }
         }
         if constexpr (kPair)  // stay until both CTAs have released every stage (below)
@@ -581,12 +601,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           return;
         }
         // Gathered rows came by cp.async (generic proxy); wgmma reads through
-        // the async proxy. (-DMEGAMOE_GATHER_NO_PROXY_FENCE=ON leaves the
-        // fence out, as SonicMoE's Hopper hand-off does: an experiment,
-        // docs/fp8-plan.md "Next" item 1.)
-#ifndef MEGAMOE_GATHER_NO_PROXY_FENCE
+        // the async proxy. (Leaving this fence out changed nothing measurable:
+        // session 34.)
         if constexpr (kGather != kGatherNone) fence_proxy_async_shared();
-#endif
         const uint8_t* sa = my_stages + ps.stage() * kStage;
         const uint8_t* sb = sa + kTileBytesA;
         // Between here and the wait<0> after the loop, nothing but wgmma touches
@@ -743,6 +760,12 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         args.gather_tokens > INT32_MAX - 1)
       return invalid_argument("grouped GEMM: gathered rows need the plan's row_src and top_k, and 1 to 2^31 - 2 token "
                               "rows (gather_tokens)");
+    // The producers address token rows by 32-bit offsets in 16-byte units (RowGather).
+    const int64_t row_bytes = (args.gather == Gather::kA ? args.a_cols : args.b_cols) * 2;
+    if (args.gather_tokens * (row_bytes / 16) > int64_t{UINT32_MAX})
+      return invalid_argument("grouped GEMM: the gathered token matrix is over 64 GiB (" +
+                              std::to_string(args.gather_tokens) + " rows of " + std::to_string(row_bytes) +
+                              " bytes); gathered rows need less");
   }
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
