@@ -321,6 +321,13 @@ int main(int argc, char** argv) {
   const auto kGatherA = cuda::GroupedGemmArgs::Gather::kA, kGatherB = cuda::GroupedGemmArgs::Gather::kB;
   time_gemm("kGateUp bf16 gather", gathered(gate_up(false), kGatherA), 2 * routes * 2 * Id * Hd);
   time_gemm("kDownGrad bf16 gather", gathered(down_grad(false), kGatherA), 2 * routes * Hd * Id);
+  // The M-grouped gathers asking L2 for each row's next k-block too (debug_gather_l2_prefetch).
+  auto l2_prefetch = [](cuda::GroupedGemmArgs g) {
+    g.debug_gather_l2_prefetch = true;
+    return g;
+  };
+  time_gemm("kGateUp bf16 gather l2pf", l2_prefetch(gathered(gate_up(false), kGatherA)), 2 * routes * 2 * Id * Hd);
+  time_gemm("kDownGrad bf16 gather l2pf", l2_prefetch(gathered(down_grad(false), kGatherA)), 2 * routes * Hd * Id);
   time_gemm("dW2 bf16 gather", gathered(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), kGatherA),
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 gather", gathered(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), kGatherB),

@@ -1247,16 +1247,18 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
 }
 
-// kDownGrad's dy rows: dz, w a and the d topk_w partials.
+// kDownGrad's dy rows: dz, w a and the d topk_w partials; also with the
+// copies' L2 prefetch hint (debug_gather_l2_prefetch, a timing switch).
 TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   Mat dy, w2, z, dz, wa, tok;
   DeviceTensor dw_partial;
   cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
   token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
   g.a = dy.dev.view().data;
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy,
-                          {dz.bytes(), wa.bytes(),
-                           {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}});
+  const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
+  g.debug_gather_l2_prefetch = true;
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
 }
 
 // kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), in CTA pairs (B;

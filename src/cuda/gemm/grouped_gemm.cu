@@ -153,15 +153,22 @@ struct RowGather {
     for (int i = 0; i < kRows; ++i) valid |= look_up(p, first + i * 16 + lane_row(), off[i]) << i;
     return valid;
   }
-  // This thread's copies into `stage` (the stage's gathered operand) for k-block kb.
+  // This thread's copies into `stage` (the stage's gathered operand) for k-block kb
+  // (kL2Prefetch: GroupedGemmArgs::debug_gather_l2_prefetch).
+  template <bool kL2Prefetch = false>
   __device__ __forceinline__ void copy(uint8_t* stage, int kb, const uint32_t (&off)[kRows], uint32_t valid) const {
     const uint32_t to = smem_u32(stage) + dst;
     const char* from = kWgrad ? rows : rows + kb * kBlockK * 2;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int row = kWgrad ? i & 3 : i, box = kWgrad ? i >> 2 : 0;
-      cp_async_16(to + box * kBoxBytes + row * 16 * 128, from + box * 128 + static_cast<uint64_t>(off[row]) * 16,
-                  (valid >> row) & 1u);
+      const uint32_t d = to + box * kBoxBytes + row * 16 * 128;
+      const char* s = from + box * 128 + static_cast<uint64_t>(off[row]) * 16;
+      if constexpr (kL2Prefetch) {
+        cp_async_16_l2_256(d, s, (valid >> row) & 1u);
+      } else {
+        cp_async_16(d, s, (valid >> row) & 1u);
+      }
     }
   }
 };
@@ -482,7 +489,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
             uint8_t* stage = smem + ps.stage() * kStage;
-            g.copy(kGather == kGatherA ? stage : stage + kTileBytesA, kb, off, valid);
+            uint8_t* gathered = kGather == kGatherA ? stage : stage + kTileBytesA;
+            if (M != GemmMode::kWeightGrad && p.args.debug_gather_l2_prefetch) {
+              g.template copy<true>(gathered, kb, off, valid);
+            } else {
+              g.copy(gathered, kb, off, valid);
+            }
             cp_async_arrive_noinc(&ring.full[ps.stage()]);
             if constexpr (M == GemmMode::kWeightGrad) {
 #pragma unroll

@@ -142,6 +142,10 @@ struct GroupedGemmArgs {
   // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
+  // Timing only (megamoe-gemm-bench's `gather l2pf` rows): the gathering
+  // producers' M-grouped copies ask L2 to prefetch 256 bytes (the row's next
+  // k-block too), to see whether the gathered rows' DRAM latency bounds them.
+  bool debug_gather_l2_prefetch = false;
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
   // set false to compare with the one-CTA path.
