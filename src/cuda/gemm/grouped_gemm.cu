@@ -852,8 +852,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // 128 == 0), kDown with N % 256 == 0 writing this GPU's slots (not peer
   // slots); no row holds (expert parallelism's owners keep the 128 x 128
   // tiles); unless a test asks for the narrow ones. kGateUpGrad (B as given,
-  // this GPU's slots) and kWeightGrad with N % 256 == 0, rows not gathered.
-  const bool wide_bwd = args.gather == Gather::kNone && !args.b_k_major && args.n % 256 == 0 &&
+  // this GPU's slots) and kWeightGrad with N % 256 == 0, rows not gathered
+  // (kWeightGrad: or A gathered, its 128 columns as in the narrow tiles).
+  const bool wide_bwd =
+      (args.gather == Gather::kNone || (args.gather == Gather::kA && args.mode == GemmMode::kWeightGrad)) && !args.b_k_major && args.n % 256 == 0 &&
                         ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
                          args.mode == GemmMode::kWeightGrad);
   const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
@@ -908,6 +910,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                                                                                   map_out1, p, num_sms, stream);
     }
     if constexpr (m == GemmMode::kWeightGrad) {
+      if (args.gather == Gather::kA && wide)
+        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
       if (args.gather == Gather::kA)
         return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
                                                                                   map_out1, p, num_sms, stream);
