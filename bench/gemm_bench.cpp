@@ -306,12 +306,19 @@ int main(int argc, char** argv) {
     return g;
   };
   time_gemm("kGateUpGrad bf16 narrow", narrow(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
+  // kDownGrad in 128 x 256 tiles (wide_down_grad; off in the layer until measured), pooled and gathered.
+  auto wide_down_grad = [](cuda::GroupedGemmArgs g) {
+    g.wide_down_grad = true;
+    return g;
+  };
+  time_gemm("kDownGrad bf16 wide", wide_down_grad(down_grad(false)), 2 * routes * Hd * Id);
   time_gemm("dW2 bf16 narrow", narrow(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 narrow", narrow(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * 2 * Id * Hd);
-  // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.5-3x the pooled kernels' time in
-  // session 33), against the bf16 rows above plus `gather x pool` below.
+  // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.12-2.25x the pooled kernels' time in
+  // session 34), against the bf16 rows above plus `gather x pool` below. dW2's gathered A runs the wide tiles
+  // as the pooled row does; dW13's gathered B runs CTA pairs (128 x 128) against the pooled row's wide tiles.
   uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
   auto gathered = [&](cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which) {
     (which == cuda::GroupedGemmArgs::Gather::kA ? g.a : g.b) = tokens;
@@ -321,6 +328,7 @@ int main(int argc, char** argv) {
   const auto kGatherA = cuda::GroupedGemmArgs::Gather::kA, kGatherB = cuda::GroupedGemmArgs::Gather::kB;
   time_gemm("kGateUp bf16 gather", gathered(gate_up(false), kGatherA), 2 * routes * 2 * Id * Hd);
   time_gemm("kDownGrad bf16 gather", gathered(down_grad(false), kGatherA), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad bf16 wide gather", gathered(wide_down_grad(down_grad(false)), kGatherA), 2 * routes * Hd * Id);
   // The M-grouped gathers asking L2 for each row's next k-block too (debug_gather_l2_prefetch).
   auto l2_prefetch = [](cuda::GroupedGemmArgs g) {
     g.debug_gather_l2_prefetch = true;

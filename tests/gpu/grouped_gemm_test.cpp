@@ -292,20 +292,23 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   // A kDownGrad launch: random dy pool [C, H], w2 [E*H, I] and z pool [C, 2I];
   // outputs dz [C, 2I], wa [C, I] and the d topk_w partials [C, I / 128],
   // NaN first, so that an element the epilogue does not write fails a comparison.
-  cuda::GroupedGemmArgs down_grad_problem(Mat& dy, Mat& w2, Mat& z, Mat& dz, Mat& wa, DeviceTensor& dw_partial) {
+  // (ii: the intermediate size, I unless given.)
+  cuda::GroupedGemmArgs down_grad_problem(Mat& dy, Mat& w2, Mat& z, Mat& dz, Mat& wa, DeviceTensor& dw_partial,
+                                          int64_t ii = 0) {
+    if (ii == 0) ii = I;
     random_pool(dy, H, 9);
-    random_mat(w2, E * H, I, 1.0 / 11, 10);
-    random_pool(z, 2 * I, 11);
-    dz.make(C, 2 * I);
-    wa.make(C, I);
-    dw_partial = DeviceTensor(DType::kF32, {C, I / 128});
+    random_mat(w2, E * H, ii, 1.0 / 11, 10);
+    random_pool(z, 2 * ii, 11);
+    dz.make(C, 2 * ii);
+    wa.make(C, ii);
+    dw_partial = DeviceTensor(DType::kF32, {C, ii / 128});
     EXPECT_TRUE(dz.dev.fill_bytes(0xFF).ok());
     EXPECT_TRUE(wa.dev.fill_bytes(0xFF).ok());
     EXPECT_TRUE(dw_partial.fill_bytes(0xFF).ok());
     cuda::GroupedGemmArgs g;
-    g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
+    g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = ii, g.k = H, g.intermediate = ii;
     g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;
-    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = I;
+    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = ii;
     g.topk_weights = static_cast<const float*>(weights.view().data);
     g.z_pool = z.dev.view().data;
     g.out0 = dz.dev.view().data, g.out1 = wa.dev.view().data;
@@ -964,6 +967,43 @@ TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
   }
 }
 
+// bf16 kDownGrad in 128 x 256 tiles (wide_down_grad) against the 128 x 128
+// tiles: dz, w a and the d topk_w partials bit for bit, I = 256 (one wide
+// column tile) and 512 (two: a tile's column halves are dz's 128-column
+// blocks 2n and 2n + 1); with dz in e4m3 from the epilogue (dz_q, fp32 and
+// pow2 scales); and with dy's rows gathered. The narrow tiles' results are
+// checked against the CPU elsewhere (DownGradMnMajorFusedEpilogue).
+TEST_P(GroupedGemm, WideDownGradTilesAreBitwiseTheNarrowOnes) {
+  for (const int64_t ii : {I, int64_t{512}}) {
+    Mat dy, w2, z, dz, wa, tok;
+    DeviceTensor dw_partial;
+    const cuda::GroupedGemmArgs narrow = down_grad_problem(dy, w2, z, dz, wa, dw_partial, ii);
+    cuda::GroupedGemmArgs wide = narrow;
+    wide.wide_down_grad = true;
+    const std::string at = " (I = " + std::to_string(ii) + ")";
+    Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (ii / 128) * 4)}};
+    expect_same_bytes(outs, [&] { run(narrow); }, [&] { run(wide); }, ("in dz, w a, d topk_w" + at).c_str());
+    // dz_q / dz_s: every row (the pool's used rows are written, the others keep the fill in both runs).
+    DeviceTensor dq(DType::kFP8E4M3, {C, 2 * ii}), ds(DType::kF32, {C, 2 * ii / 128});
+    for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
+      cuda::GroupedGemmArgs nq = narrow, wq = wide;
+      for (cuda::GroupedGemmArgs* q : {&nq, &wq})
+        q->dz_q = static_cast<uint8_t*>(dq.view().data), q->dz_s = static_cast<float*>(ds.view().data),
+        q->dz_scale = kind;
+      Outputs with_q = outs;
+      with_q.push_back({dq.view().data, static_cast<size_t>(C * 2 * ii)});
+      with_q.push_back({ds.view().data, static_cast<size_t>(C * (2 * ii / 128) * 4)});
+      expect_same_bytes(with_q, [&] { run(nq); }, [&] { run(wq); }, ("with dz_q" + at).c_str());
+    }
+    // dy's rows gathered by the wide kernel against the narrow pooled one.
+    token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
+    cuda::GroupedGemmArgs pooled = narrow, gathered = wide;
+    pooled.a = dy.dev.view().data;
+    gathered.a = tok.dev.view().data, gathered.gather = cuda::GroupedGemmArgs::Gather::kA, gathered.gather_tokens = T;
+    expect_same_bytes(outs, [&] { run(pooled); }, [&] { run(gathered); }, ("with dy gathered" + at).c_str());
+  }
+}
+
 // bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a
 // tile, N = 256 and 512, into fp32, fp32 += and bf16: every output bit for
 // bit, and the wide result against the CPU.
@@ -1243,7 +1283,9 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   g.a = x.dev.view().data;
   const Outputs outs = {z.bytes(), a.bytes()};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.narrow_tiles = true;
+  g.debug_gather_l2_prefetch = true;  // (a timing switch: the same bytes)
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
+  g.debug_gather_l2_prefetch = false, g.narrow_tiles = true;
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
 }
 
@@ -1300,6 +1342,8 @@ TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
   expect_refused(bad, "B of kGateUp");
   bad = g, bad.gather_tokens = 0;
   expect_refused(bad, "no token count");
+  bad = g, bad.gather_tokens = T - 1;
+  expect_refused(bad, "fewer token rows than the plan's tokens");
   bad = g, bad.plan.row_src = nullptr;
   expect_refused(bad, "no row_src");
   bad = g, bad.fp8 = true;
@@ -1544,6 +1588,31 @@ TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
     s.errors = errors;
     expect_same_bytes({{out.view().data, static_cast<size_t>(E * H * I * 4)}}, [&] { run(s); }, [&] { run(pairs); },
                       gathered ? "in dW after a stall (A gathered)" : "in dW after a stall");
+  }
+}
+
+// The same for wide kDownGrad tiles (wide_down_grad), pooled and gathered
+// rows: the report names the wide kernel; then the call without the stall
+// equals the narrow tiles' dz, w a and partials bit for bit.
+TEST_P(GroupedGemm, StalledWideDownGradTimesOutAndReports) {
+  Mat dy, w2, z, dz, wa, tok;
+  DeviceTensor dw_partial;
+  cuda::GroupedGemmArgs narrow = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
+  token_rows_and_pool(tok, dy, H, 22);
+  narrow.a = dy.dev.view().data;
+  const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
+  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 256), H / 64);
+  ASSERT_GE(stall, 0);
+  for (const bool gathered : {false, true}) {
+    cuda::GroupedGemmArgs g = narrow;
+    g.wide_down_grad = true;
+    if (gathered) g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+    expect_stall_reported(g, errors, sms, stall,
+                          {"grouped GEMM kDownGrad (128 x 256 tiles),", "block ", "full barrier",
+                           "phase " + std::to_string(stall) + " ", "gave up"});
+    g.errors = errors;
+    expect_same_bytes(outs, [&] { run(g); }, [&] { run(narrow); },
+                      gathered ? "(gathered, after a stall)" : "(after a stall)");
   }
 }
 

@@ -18,7 +18,8 @@ const char* kernel_name(uint32_t k) {
                                                    "grouped GEMM kGateUp (128 x 256 tiles)",
                                                    "grouped GEMM kDown (128 x 256 tiles)",
                                                    "grouped GEMM kGateUpGrad (128 x 256 tiles)",
-                                                   "grouped GEMM kWeightGrad (128 x 256 tiles)"};
+                                                   "grouped GEMM kWeightGrad (128 x 256 tiles)",
+                                                   "grouped GEMM kDownGrad (128 x 256 tiles)"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 

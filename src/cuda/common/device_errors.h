@@ -39,6 +39,7 @@ enum KernelId : uint32_t {
   kKernelGemmDownWide,    // kDown in 128 x 256 tiles
   kKernelGemmGateUpGradWide,   // kGateUpGrad in 128 x 256 tiles
   kKernelGemmWeightGradWide,   // kWeightGrad in 128 x 256 tiles
+  kKernelGemmDownGradWide,     // kDownGrad in 128 x 256 tiles
   kKernelCount,
 };
 

@@ -131,13 +131,21 @@ inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageByt
 inline constexpr int kWideStages = 4;
 inline constexpr int kWideBoxes = kWideStages >= 4 ? 2 : 4;
 inline constexpr int kWideEpilogueBytes = kWideBoxes * kBoxBytes;
+// kDownGrad's wide tiles (GroupedGemmArgs::wide_down_grad): a consumer's z
+// chunk is its 64 rows x a 128-column half of the tile (g and u: the narrow
+// tiles' 32 KB chunk, a column half instead of a row half), so two chunks of
+// 32 KB and 3 stages (208 KB; 4 would need 256).
+template <GemmMode M>
+inline constexpr int kWideStagesOf = M == GemmMode::kDownGrad ? 3 : kWideStages;
+template <GemmMode M>
+inline constexpr int kWideEpilogueBytesOf = M == GemmMode::kDownGrad ? kZChunkBytes : kWideEpilogueBytes;
 // Tile rows a consumer's row destinations cover, and their bytes for both consumers.
 template <bool kWide>
 inline constexpr int kRowDstRows = kWide ? kBlockM / 2 : kBlockM;
 template <GemmMode M, bool kWide>
 inline constexpr int kRowDstBytesOf = ModeTraits<M>::kRowDstBytes / kBlockM * kRowDstRows<kWide>;
 template <GemmMode M>
-inline constexpr int kSmemBytesWide = 1024 + kWideStages * kStageBytesOf<true> + 2 * kWideEpilogueBytes +
+inline constexpr int kSmemBytesWide = 1024 + kWideStagesOf<M> * kStageBytesOf<true> + 2 * kWideEpilogueBytesOf<M> +
                                       ModeTraits<M>::kBarriers * 8 + kRowDstBytesOf<M, true> + 16;
 static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages &&
                   kWideStages <= ModeTraits<GemmMode::kDown>::kStages,
@@ -145,6 +153,9 @@ static_assert(kWideStages <= ModeTraits<GemmMode::kGateUp>::kStages &&
 static_assert(kWideStages <= ModeTraits<GemmMode::kGateUpGrad>::kStages &&
                   kWideStages <= ModeTraits<GemmMode::kWeightGrad>::kStages,
               "the backward modes' barrier areas hold the wide ring's");
+static_assert(kWideStagesOf<GemmMode::kDownGrad> <= ModeTraits<GemmMode::kDownGrad>::kStages &&
+                  kSmemBytesWide<GemmMode::kDownGrad> <= 227 * 1024,
+              "kDownGrad's wide tiles: its barrier area and the 227 KB");
 static_assert(kSmemBytesWide<GemmMode::kGateUp> <= 227 * 1024 && kSmemBytesWide<GemmMode::kDown> <= 227 * 1024 &&
                   kSmemBytesWide<GemmMode::kGateUpGrad> <= 227 * 1024 &&
                   kSmemBytesWide<GemmMode::kWeightGrad> <= 227 * 1024,

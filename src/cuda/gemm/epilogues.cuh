@@ -426,19 +426,34 @@ struct Epilogue<GemmMode::kGateUpGrad, kDirect> : SlotEpilogue<GemmMode::kGateUp
 // wa has left; z_full expects the whole chunk from the first part on, so it
 // completes when both have landed. The next tile's chunk 0 loads after the
 // epilogue (the kernel issues it), whole.
+// kWide (128 x 256 tiles, GroupedGemmArgs::wide_down_grad): each consumer
+// holds 64 rows and acc[h] their columns [128h, 128h + 128), so its chunk h
+// is a column half of its rows instead of a row half: the same 32 KB, the
+// same places (HalfTilePlaces), the same steps.
 enum class ZParts { kAll, kU, kG };
-__device__ __forceinline__ void load_z_chunk(const KernelParams& p, const EpilogueContext& ctx, const Tile& tile,
-                                             int h, ZParts parts = ZParts::kAll) {
+// Where chunk h of a tile sits: its 64 pool rows from row64 on, and its
+// 128-column block cb of the I columns (dz's g block cb and u block I / 128 + cb).
+struct ZPiece {
+  int64_t row64;
+  int cb;
+};
+template <bool kWide>
+__device__ __forceinline__ ZPiece z_piece(const Tile& tile, int h, int cw) {
+  const int64_t row0 = static_cast<int64_t>(tile.m) * kBlockM;
+  return kWide ? ZPiece{row0 + 64 * cw, 2 * tile.n + h} : ZPiece{row0 + 64 * h, tile.n};
+}
+__device__ __forceinline__ void load_z_chunk(const KernelParams& p, const EpilogueContext& ctx, ZPiece pc,
+                                             ZParts parts = ZParts::kAll) {
   const int I = static_cast<int>(p.args.intermediate);
-  const int row = tile.m * kBlockM + h * 64;
+  const int row = static_cast<int>(pc.row64);
   if (parts != ZParts::kG) mbar_arrive_expect_tx(ctx.z_full, kZChunkBytes);
   for (int b = parts == ZParts::kU ? 2 : 0; b < (parts == ZParts::kG ? 2 : 4); ++b)  // b: g (0, 1) or u (2, 3), column half b % 2
-    tma_load_2d(ctx.z_chunk + b * kBoxBytes, ctx.z_map, ctx.z_full,
-                (b < 2 ? 0 : I) + tile.n * kBlockN + (b & 1) * 64, row);
+    tma_load_2d(ctx.z_chunk + b * kBoxBytes, ctx.z_map, ctx.z_full, (b < 2 ? 0 : I) + pc.cb * 128 + (b & 1) * 64,
+                row);
 }
 
-template <bool kDirect>
-struct Epilogue<GemmMode::kDownGrad, kDirect> {
+template <bool kWide>
+struct DownGradEpilogue {
   // dz_q and dz_s of row half h from the bf16 dz this thread has just written
   // into the chunk (its own places: no barrier), with its pairs' maxima: the
   // quad's maximum is the row's over the tile's 128 g (u) columns. The same
@@ -446,7 +461,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   // codes: the division with fp32 scales (the row quantizer's corrected
   // quotient gives the division's codes), with pow2 scales a multiply by the
   // exact reciprocal.
-  static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, const Tile& tile, int h,
+  static __device__ __forceinline__ void quantize_dz(const GroupedGemmArgs& a, ZPiece pc,
                                                      const __nv_bfloat162 (&dz_amax)[2][2], uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate, groups = 2 * I / 128, rows = a.a_rows;
     float scale[2][2];  // [row q][g, u]
@@ -459,8 +474,8 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
         amax = fp8::fold_amax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
         scale[q][gu] = fp8::tile_scale(amax, a.dz_scale);
         if ((threadIdx.x & 3) == 0) {
-          const int64_t row = static_cast<int64_t>(tile.m) * kBlockM + acc_row(h, 2 * q);
-          const int64_t group = gu * (I / 128) + tile.n;  // dz's 128-column block: g's n-th, or u's
+          const int64_t row = pc.row64 + acc_row(0, 2 * q);
+          const int64_t group = gu * (I / 128) + pc.cb;  // dz's 128-column block: g's cb-th, or u's
           a.dz_s[a.dz_scales_by_k_block ? group * rows + row : row * groups + group] = scale[q][gu];
         }
       }
@@ -470,9 +485,9 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
       for (int q = 0; q < 2; ++q)
 #pragma unroll
         for (int gu = 0; gu < 2; ++gu) inv[q][gu] = __frcp_rn(scale[q][gu]);  // exact for powers of two
-      store_dz_q<true>(a, tile, h, inv, z_g, z_u);
+      store_dz_q<true>(a, pc, inv, z_g, z_u);
     } else {
-      store_dz_q<false>(a, tile, h, scale, z_g, z_u);
+      store_dz_q<false>(a, pc, scale, z_g, z_u);
     }
   }
 
@@ -484,8 +499,8 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   // for an instruction; kDownGrad 3.2x slower) and its 2-byte stores wasted
   // 72% of the sectors written.
   template <bool kPow2>
-  static __device__ __forceinline__ void store_dz_q(const GroupedGemmArgs& a, const Tile& tile, int h,
-                                                    const float (&by)[2][2], uint32_t z_g, uint32_t z_u) {
+  static __device__ __forceinline__ void store_dz_q(const GroupedGemmArgs& a, ZPiece pc, const float (&by)[2][2],
+                                                    uint32_t z_g, uint32_t z_u) {
     const int64_t I = a.intermediate;
     const HalfTilePlaces place;
     const int quad_lane = static_cast<int>(threadIdx.x & 3);
@@ -494,7 +509,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const int64_t row = static_cast<int64_t>(tile.m) * kBlockM + acc_row(h, 2 * q);
+        const int64_t row = pc.row64 + acc_row(0, 2 * q);
 #pragma unroll
         for (int gu = 0; gu < 2; ++gu) {
           uint32_t pieces[2] = {0u, 0u};  // groups 4c .. 4c + 3, two 16-bit pieces per word
@@ -509,7 +524,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
           }
           uint32_t lo, hi;
           quad_transpose16(quad_lane, pieces[0], pieces[1], exchange, lo, hi);
-          const int64_t col = static_cast<int64_t>(tile.n) * kBlockN + 32 * c + 8 * quad_lane;
+          const int64_t col = static_cast<int64_t>(pc.cb) * 128 + 32 * c + 8 * quad_lane;
           *reinterpret_cast<uint2*>(a.dz_q + row * 2 * I + gu * I + col) = make_uint2(lo, hi);
         }
       }
@@ -517,22 +532,21 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
   }
 
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             EpilogueContext& ctx) const {
+                                             EpilogueContext& ctx, int cw) const {
     const GroupedGemmArgs& a = p.args;
     const DevicePlan& plan = a.plan;
     const int I = static_cast<int>(a.intermediate);
-    const int64_t pool_row0 = static_cast<int64_t>(tile.m) * kBlockM;
-    const int col0 = tile.n * kBlockN;
     const uint32_t z_g = smem_u32(ctx.z_chunk), z_u = z_g + 2 * kBoxBytes;
     const bool storer = (threadIdx.x & 127) == 0;
     auto at = [](uint32_t addr) { return static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(addr)); };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = static_cast<int>(pool_row0) + h * 64;
+      const ZPiece pc = z_piece<kWide>(tile, h, cw);
+      const int row = static_cast<int>(pc.row64), col0 = pc.cb * 128;
       float w_row[2];
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const int src = plan.row_src[pool_row0 + acc_row(h, 2 * q)];
+        const int src = plan.row_src[pc.row64 + acc_row(0, 2 * q)];
         w_row[q] = src >= 0 ? a.topk_weights[src] : 0.0f;
       }
       if (!ctx.waits->wait(ctx.z_full, ctx.z_waits & 1u, kBarrierFull, ctx.z_waits)) return false;
@@ -574,7 +588,7 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
       for (int q = 0; q < 2; ++q) {
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 1);
         dw[q] += __shfl_xor_sync(0xFFFFFFFFu, dw[q], 2);
-        if ((threadIdx.x & 3) == 0) a.dw_partial[(pool_row0 + acc_row(h, 2 * q)) * p.n_tiles + tile.n] = dw[q];
+        if ((threadIdx.x & 3) == 0) a.dw_partial[(pc.row64 + acc_row(0, 2 * q)) * (I / 128) + pc.cb] = dw[q];
       }
       fence_proxy_async_shared();  // this thread's writes, before the TMA stores read them
       consumer_sync();
@@ -586,12 +600,12 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
         bulk_commit_group();
       }
       // dz in e4m3 while the TMA stores read the same bf16 (reads only, on both sides).
-      if (a.dz_q != nullptr) quantize_dz(a, tile, h, dz_amax, z_g, z_u);
+      if (a.dz_q != nullptr) quantize_dz(a, pc, dz_amax, z_g, z_u);
       if (storer) bulk_wait_group_read<0>();
       // quantize_dz's reads of the u part, ordered before the TMA that overwrites it (proxy write-after-read).
       if (h == 0 && a.dz_q != nullptr) fence_proxy_async_shared();
       consumer_sync();  // dz has been read out: wa may overwrite the g part
-      if (h == 0 && storer) load_z_chunk(p, ctx, tile, 1, ZParts::kU);  // the u part is free now
+      if (h == 0 && storer) load_z_chunk(p, ctx, z_piece<kWide>(tile, 1, cw), ZParts::kU);  // the u part is free now
       const HalfTilePlaces place2;  // the same places, offsets rebuilt (see HalfTilePlaces)
 #pragma unroll
       for (int i = 0; i < 64; i += 2) *reinterpret_cast<uint32_t*>(at(z_g + place2(i))) = wa_held[i / 2];
@@ -601,10 +615,17 @@ struct Epilogue<GemmMode::kDownGrad, kDirect> {
         for (int c = 0; c < 2; ++c) tma_store_2d(ctx.out_map[1], ctx.z_chunk + c * kBoxBytes, col0 + c * 64, row);
         bulk_commit_group();
         bulk_wait_group_read<0>();
-        if (h == 0) load_z_chunk(p, ctx, tile, 1, ZParts::kG);  // the g part is free: the rest of row half 1
+        if (h == 0) load_z_chunk(p, ctx, z_piece<kWide>(tile, 1, cw), ZParts::kG);  // the g part is free: the rest of chunk 1
       }
     }
     return true;
+  }
+};
+template <bool kDirect>
+struct Epilogue<GemmMode::kDownGrad, kDirect> {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& ctx) const {
+    return DownGradEpilogue<false>{}(p, tile, acc, ctx, 0);
   }
 };
 

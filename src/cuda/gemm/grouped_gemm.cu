@@ -91,8 +91,9 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
       tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, tile.n * 256 + (2 + box) * 64, k0);
     } else if constexpr (M == GemmMode::kWeightGrad) {
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * kBlockN + box * 64, k0);
-    } else if constexpr (M == GemmMode::kGateUpGrad && kWide) {  // w13[e]'s 256 columns as four boxes, K rows
-      static_assert(!kBT, "wide kGateUpGrad reads B as given (MN-major)");
+    } else if constexpr ((M == GemmMode::kGateUpGrad || M == GemmMode::kDownGrad) && kWide) {
+      // w13[e]'s (kDownGrad: w2[e]'s) 256 columns as four boxes, K rows
+      static_assert(!kBT, "wide kGateUpGrad and kDownGrad read B as given (MN-major)");
       const int row = e * static_cast<int>(p.args.k) + k0;
       tma_load_2d(smem_b + box * kBoxBytes, map_b, full, tile.n * 256 + box * 64, row);
       tma_load_2d(smem_b + (2 + box) * kBoxBytes, map_b, full, tile.n * 256 + (2 + box) * 64, row);
@@ -312,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map_z, const __grid_constant__ CUtensorMap map_out0,
                         const __grid_constant__ CUtensorMap map_out1, const __grid_constant__ KernelParams p) {
   using Tr = ModeTraits<M>;
-  constexpr int S = kWide ? kWideStages : Tr::kStages;
+  constexpr int S = kWide ? kWideStagesOf<M> : Tr::kStages;
   constexpr bool kBMn = Tr::kBMnMajor && !kBT;  // B's layout in shared memory
   constexpr bool kSplitRings = kFp8;
   constexpr bool kRing = has_scale_ring<M, kFp8, kARing>;
@@ -320,9 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
-  static_assert(!kWide || (M != GemmMode::kDownGrad && !kFp8 && !kPair && !kHoldRows && !kBT),
-                "wide tiles: bf16 kGateUp, kDown, kGateUpGrad (B as given) and kWeightGrad, one CTA a tile, no row "
-                "holds");
+  static_assert(!kWide || (!kFp8 && !kPair && !kHoldRows && !kBT),
+                "wide tiles: bf16, B as given, one CTA a tile, no row holds");
   static_assert(kGather == kGatherNone ||
                     (!kFp8 && !kHoldRows &&
                      (kGather == kGatherA ? M == GemmMode::kGateUp || (M == GemmMode::kDownGrad && !kBT) ||
@@ -345,9 +345,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                       ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023})
                       : static_cast<uint8_t*>(__cvta_shared_to_generic((smem_u32(smem_raw) + 1023u) & ~1023u));
   // The scale ring [stages used][A 128 | B 128] f32 (kScaleRingBytes), then the epilogue buffers.
-  constexpr int kStageArea = (kWide ? kWideStages : kStagesUsed<M, kFp8, kRing>) * kStage;
+  constexpr int kStageArea = (kWide ? kWideStagesOf<M> : kStagesUsed<M, kFp8, kRing>) * kStage;
   float* scale_ring = reinterpret_cast<float*>(smem + kStageArea);
-  constexpr int kEpilogueBytes = kWide ? kWideEpilogueBytes : kEpilogueBytesOf<M, kFp8>;
+  constexpr int kEpilogueBytes = kWide ? kWideEpilogueBytesOf<M> : kEpilogueBytesOf<M, kFp8>;
   uint8_t* epilogue_base = smem + kStageArea + kRingBytes;  // [2][kEpilogueBytes], one per consumer
   auto* barriers = reinterpret_cast<uint64_t*>(epilogue_base + 2 * kEpilogueBytes);
   const StageRing<S> ring{barriers, barriers + S};
@@ -367,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                               : M == GemmMode::kGateUp      ? kKernelGemmGateUpWide
                               : M == GemmMode::kDown        ? kKernelGemmDownWide
                               : M == GemmMode::kGateUpGrad  ? kKernelGemmGateUpGradWide
+                              : M == GemmMode::kDownGrad    ? kKernelGemmDownGradWide
                                                             : kKernelGemmWeightGradWide;
   const BoundedWait waits{p.args.errors, cta_state, kKernel, kHoldRows};
   const TileScheduler<M, kFp8> scheduler{p};
@@ -566,8 +567,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kDownGrad: the first z chunk of this consumer's first tile loads during its main loop.
   const bool epilogues = !p.args.debug_skip_epilogue;
   if constexpr (Tr::kZChunks) {
-    const int first = blockIdx.x + cw * gridDim.x;
-    if (epilogues && first < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(first), 0);
+    const int first = blockIdx.x + (kWide ? 0 : cw * static_cast<int>(gridDim.x));
+    if (epilogues && first < tiles && (threadIdx.x & 127) == 0)
+      load_z_chunk(p, ctx, z_piece<kWide>(scheduler.tile(first), 0, cw));
   }
   PipelineState<R> ps;
   float acc[2][64];
@@ -673,6 +675,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       stored = WideGateUpEpilogue{}(p, tile, acc, ctx, cw);
     } else if constexpr (kWide && M == GemmMode::kWeightGrad) {
       stored = WeightGradEpilogue<true>{}(p, tile, acc, cw);
+    } else if constexpr (kWide && M == GemmMode::kDownGrad) {
+      stored = DownGradEpilogue<true>{}(p, tile, acc, ctx, cw);
     } else if constexpr (kWide) {
       stored = WideSlotEpilogue<M>{}(p, tile, acc, ctx);
     } else {
@@ -685,8 +689,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // kDownGrad: the buffer is free again (the storer, this same thread, saw
     // the last TMA store read it); the next tile's first z chunk loads now.
     if constexpr (Tr::kZChunks) {
-      const int next = t + 2 * static_cast<int>(gridDim.x);
-      if (next < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, scheduler.tile(next), 0);
+      const int next = t + (kWide ? 1 : 2) * static_cast<int>(gridDim.x);
+      if (next < tiles && (threadIdx.x & 127) == 0) load_z_chunk(p, ctx, z_piece<kWide>(scheduler.tile(next), 0, cw));
     }
   }
   // The epilogues' bulk and TMA stores still read shared memory; let them land before the kernel ends.
@@ -772,6 +776,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         args.gather_tokens > INT32_MAX - 1)
       return invalid_argument("grouped GEMM: gathered rows need the plan's row_src and top_k, and 1 to 2^31 - 2 token "
                               "rows (gather_tokens)");
+    // Every token the plan routes must be a row of the matrix (the producers' offsets are not bounds-checked).
+    if (args.gather_tokens < args.plan.num_tokens)
+      return invalid_argument("grouped GEMM: gathered rows: the token matrix has " + std::to_string(args.gather_tokens) +
+                              " rows, fewer than the plan's " + std::to_string(args.plan.num_tokens) + " tokens");
     // The producers address token rows by 32-bit offsets in 16-byte units (RowGather).
     const int64_t row_bytes = (args.gather == Gather::kA ? args.a_cols : args.b_cols) * 2;
     if (args.gather_tokens * (row_bytes / 16) > int64_t{UINT32_MAX})
@@ -853,7 +861,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // slots); no row holds (expert parallelism's owners keep the 128 x 128
   // tiles); unless a test asks for the narrow ones. kGateUpGrad (B as given,
   // this GPU's slots) and kWeightGrad with N % 256 == 0, rows not gathered
-  // (kWeightGrad: or A gathered, its 128 columns as in the narrow tiles).
+  // (kWeightGrad: or A gathered, its 128 columns as in the narrow tiles);
+  // kDownGrad (B as given, N % 256 == 0, rows pooled or A gathered) when
+  // asked for (wide_down_grad).
+  const bool wide_down_grad = args.wide_down_grad && args.mode == GemmMode::kDownGrad && !args.b_k_major &&
+                              args.n % 256 == 0 && args.gather != Gather::kB;
   const bool wide_bwd =
       (args.gather == Gather::kNone || (args.gather == Gather::kA && args.mode == GemmMode::kWeightGrad)) && !args.b_k_major && args.n % 256 == 0 &&
                         ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
@@ -861,7 +873,7 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
                     ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
                      (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr) ||
-                     wide_bwd);
+                     wide_bwd || wide_down_grad);
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64)
@@ -904,6 +916,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
                                                                                  map_out1, p, num_sms, stream);
     }
+    if constexpr (m == GemmMode::kDownGrad) {
+      if (args.gather == Gather::kA && wide)
+        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
+    }
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDownGrad) {
       if (args.gather == Gather::kA)
         return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
@@ -928,11 +945,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
-    if constexpr (m != GemmMode::kDownGrad) {  // wide: refused above for FP8, row holds, B K-major, gathers
-      if (wide)
-        return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
-                                                                       num_sms, stream);
-    }
+    // wide: never with FP8, row holds, B K-major; its gathering kernels launched above
+    if (wide)
+      return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
+                                                                     num_sms, stream);
     if constexpr (m == GemmMode::kDownGrad || m == GemmMode::kGateUpGrad) {  // b_k_major: checked above
       if (args.fp8 && args.a_scales_by_k_block)
         return launch_mode<m, false, false, true, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);

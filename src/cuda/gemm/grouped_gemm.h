@@ -143,8 +143,9 @@ struct GroupedGemmArgs {
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
   // Timing only (megamoe-gemm-bench's `gather l2pf` rows): the gathering
-  // producers' M-grouped copies ask L2 to prefetch 256 bytes (the row's next
-  // k-block too), to see whether the gathered rows' DRAM latency bounds them.
+  // producers' M-grouped copies ask L2 for the aligned 256 bytes around each
+  // 128 (on 256-byte-aligned rows, k-blocks 2j and 2j + 1 come together), to
+  // see whether the gathered rows' DRAM latency bounds them.
   bool debug_gather_l2_prefetch = false;
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
@@ -159,6 +160,12 @@ struct GroupedGemmArgs {
   // same products summed in the same order). The backward's wide tiles:
   // kGateUpGrad -11%, dW2 -4%, dW13 -3% at Qwen3-235B-A22B (session 34).
   bool narrow_tiles = false;
+  // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,
+  // no row holds, rows pooled or A gathered): each consumer's z chunk is a
+  // column half of its 64 rows. Bitwise the 128 x 128 tiles' result. Written
+  // in session 34 without a GPU: off until its tests and an A/B have run (the
+  // layer asks for it when built with -DMEGAMOE_WIDE_DOWN_GRAD=ON).
+  bool wide_down_grad = false;
   // Gathered rows (bf16, the one-GPU layer): the operand named here is the
   // token matrix itself, [gather_tokens, its cols], instead of a pool made
   // of it by gather_rows: the producer threads copy pool row r from token row

@@ -126,8 +126,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* src, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-// The same, asking L2 to fetch the 256-byte block around src (the 16 bytes
-// after the next 112 too: a gathered row's next k-block).
+// The same, asking L2 to fetch the aligned 256-byte block around src (a
+// gathered row's other k-block of the pair 2j, 2j + 1 on aligned rows).
 __device__ __forceinline__ void cp_async_16_l2_256(uint32_t smem_dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src),
                "r"(valid ? 16 : 0)
