@@ -156,6 +156,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"T300_k2", 300, 256, 128, 8, 2, Routing::kUniform},
                       Case{"T257_k1", 257, 128, 256, 16, 1, Routing::kUniform},
                       Case{"k8_of_8", 200, 256, 256, 8, 8, Routing::kUniform},
+                      Case{"T200_k3", 200, 256, 256, 8, 3, Routing::kUniform},  // top_k not a power of two
                       Case{"E128_empty_experts", 384, 512, 256, 128, 8, Routing::kUniform},
                       Case{"one_hot_expert", 333, 256, 128, 16, 2, Routing::kOneExpert},
                       Case{"dropped_routes", 190, 256, 128, 32, 4, Routing::kWithDrops},
