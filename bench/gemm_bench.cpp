@@ -317,8 +317,8 @@ int main(int argc, char** argv) {
   time_gemm("dW13 bf16 narrow", narrow(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * 2 * Id * Hd);
   // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.12-2.25x the pooled kernels' time in
-  // session 34), against the bf16 rows above plus `gather x pool` below. dW2's gathered A runs the wide tiles
-  // as the pooled row does; dW13's gathered B runs CTA pairs (128 x 128) against the pooled row's wide tiles.
+  // session 34), against the bf16 rows above plus `gather x pool` below. The gathering dW2 (A) and dW13 (B)
+  // run the wide tiles, as the pooled rows do.
   uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
   auto gathered = [&](cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which) {
     (which == cuda::GroupedGemmArgs::Gather::kA ? g.a : g.b) = tokens;

@@ -1303,24 +1303,25 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
 }
 
-// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x): A in the 128 x 256
-// tiles and in 128 x 128 ones (one CTA a tile), B in CTA pairs and one CTA a
-// tile (gathered B runs no wide tiles). The other operand's padding rows are
-// nonzero: a gathered padding row that is not zero shows.
+// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), each in the 128 x
+// 256 tiles and in 128 x 128 ones (A: one CTA a tile; B: CTA pairs, then
+// one CTA a tile). The other operand's padding rows are nonzero: a gathered
+// padding row that is not zero shows.
 TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
   Mat pa, pb, tok_a, tok_b, other_a, other_b;
   token_rows_and_pool(tok_a, pa, H, 23);
   token_rows_and_pool(tok_b, pb, I, 24);
   random_mat(other_a, C, H, 1.0, 25);  // every row random, padding included
   random_mat(other_b, C, I, 1.0, 26);
-  for (const bool pairs : {true, false}) {
+  for (const int form : {0, 1, 2}) {  // wide tiles; 128 x 128 in pairs; one CTA a 128 x 128 tile
+    const bool pairs = form == 1, narrow = form > 0;
     DeviceTensor out_a, out_b;
     cuda::GroupedGemmArgs g = weight_grad_problem(pa, other_b, out_a);
-    g.pair_ctas = pairs, g.narrow_tiles = !pairs;  // A: wide tiles, then one CTA a 128 x 128 tile
+    g.pair_ctas = pairs, g.narrow_tiles = narrow;  // (A gathered never pairs)
     expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok_a, pa,
                             {{out_a.view().data, static_cast<size_t>(E * H * I * 4)}});
     g = weight_grad_problem(other_a, pb, out_b);
-    g.pair_ctas = pairs, g.narrow_tiles = true;
+    g.pair_ctas = pairs, g.narrow_tiles = narrow;
     expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb,
                             {{out_b.view().data, static_cast<size_t>(E * H * I * 4)}});
   }
@@ -1562,14 +1563,14 @@ TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
                     [&] { run(narrow); }, "in the dx slots after a stall");
 }
 
-// The same for wide kWeightGrad tiles, A pooled and A's rows gathered: the
-// report names the wide kernel (so this test also shows that the wide tiles
-// ran, gathering too); then the call without the stall equals the pairs bit
-// for bit.
+// The same for wide kWeightGrad tiles, pooled, A's rows gathered and B's:
+// the report names the wide kernel (so this test also shows that the wide
+// tiles ran, gathering too); then the call without the stall equals the
+// pairs bit for bit.
 TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
-  Mat pa, pb, tok;
+  Mat pa, pb, tok, tok_b;
   token_rows_and_pool(tok, pa, H, 7);  // pa: the pool of tok's rows
-  random_pool(pb, I, 8);
+  token_rows_and_pool(tok_b, pb, I, 8);
   DeviceTensor out;
   cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
   cuda::GroupedGemmArgs pairs = g;
@@ -1579,15 +1580,17 @@ TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
   for (int64_t t = 0; t < E * (H / 128); t += sms) cta0 += (rows[t / (H / 128)] + 63) / 64;
   const int64_t stall = std::min<int64_t>(9, cta0 - 1);
   ASSERT_GE(stall, 0);
-  for (const bool gathered : {false, true}) {
+  for (const int gathered : {0, 1, 2}) {  // none, A, B
     cuda::GroupedGemmArgs s = g;
-    if (gathered) s.a = tok.dev.view().data, s.gather = cuda::GroupedGemmArgs::Gather::kA, s.gather_tokens = T;
+    if (gathered == 1) s.a = tok.dev.view().data, s.gather = cuda::GroupedGemmArgs::Gather::kA, s.gather_tokens = T;
+    if (gathered == 2) s.b = tok_b.dev.view().data, s.gather = cuda::GroupedGemmArgs::Gather::kB, s.gather_tokens = T;
     expect_stall_reported(s, errors, sms, stall,
                           {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
                            "phase " + std::to_string(stall) + " ", "gave up"});
     s.errors = errors;
     expect_same_bytes({{out.view().data, static_cast<size_t>(E * H * I * 4)}}, [&] { run(s); }, [&] { run(pairs); },
-                      gathered ? "in dW after a stall (A gathered)" : "in dW after a stall");
+                      gathered == 0 ? "in dW after a stall" : gathered == 1 ? "in dW after a stall (A gathered)"
+                                                                             : "in dW after a stall (B gathered)");
   }
 }
 

@@ -117,8 +117,9 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // row (coalesced): M-grouped (K-major A, 128 tile rows x the k-block's 64
 // columns): rows i * 16 + 4 w + j (warp w, j = lane / 8, i < 8), the same
 // rows for all of a tile's k-blocks. kWeightGrad (MN-major; K = pool rows):
-// the k-block's 64 pool rows x the tile's 128 columns as two 64-column
-// boxes: box i / 4, pool row (i % 4) * 16 + 4 w + j, four rows a k-block.
+// the k-block's 64 pool rows x the tile's 128 columns as kBoxes = 2
+// 64-column boxes (a wide tile's gathered B: its 256 columns, 4 boxes): box
+// i / 4, pool row (i % 4) * 16 + 4 w + j, four rows a k-block.
 // Row r's swizzle, r % 8 = (4 w + j) % 8, is the same for all of a thread's
 // rows: its copies land at one offset plus constants.
 // The producer warps have 40 registers and share their schedulers with the
@@ -128,10 +129,12 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // multiplying per copy ran the producer out of issue slots (~320
 // instructions a warp a stage; the gathering kGateUp 1.5x the pooled one,
 // Nsight Compute, session 34).
-template <GemmMode M>
+template <GemmMode M, int kBoxes = 2>
 struct RowGather {
   static constexpr bool kWgrad = M == GemmMode::kWeightGrad;
+  static_assert(kBoxes == 2 || (kWgrad && kBoxes == 4), "four boxes: a wide kWeightGrad's gathered B");
   static constexpr int kRows = kWgrad ? 4 : 8;  // this thread's rows a stage
+  static constexpr int kCopies = kWgrad ? 4 * kBoxes : 8;  // this thread's copies a stage
   const char* rows;   // the token matrix, advanced to this thread's chunk (and kWeightGrad: the tile's columns)
   uint32_t pitch16;   // its row length in 16-byte units
   RouteDivisor top_k;  // token = route / top_k
@@ -161,7 +164,7 @@ struct RowGather {
     const uint32_t to = smem_u32(stage) + dst;
     const char* from = kWgrad ? rows : rows + kb * kBlockK * 2;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < kCopies; ++i) {
       const int row = kWgrad ? i & 3 : i, box = kWgrad ? i >> 2 : 0;
       const uint32_t d = to + box * kBoxBytes + row * 16 * 128;
       const char* s = from + box * 128 + static_cast<uint64_t>(off[row]) * 16;
@@ -419,8 +422,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto load = [&](const Tile& tile, int kb, int slot) {
         uint64_t* full = &ring.full[slot];
         constexpr int kScaleBytes = !kRing ? 0 : M == GemmMode::kWeightGrad ? kScaleStageBytes : 512;
-        // A gathered operand (16 KB of the stage) comes by the producer threads' cp.async instead.
-        mbar_arrive_expect_tx(full, kStage + kScaleBytes - (kGather != kGatherNone ? kTileBytesA : 0));
+        // A gathered operand (A, or B: the rest of the stage) comes by the producer threads' cp.async instead.
+        constexpr int kGatheredBytes = kGather == kGatherNone ? 0 : kGather == kGatherA ? kTileBytesA : kStage - kTileBytesA;
+        mbar_arrive_expect_tx(full, kStage + kScaleBytes - kGatheredBytes);
         uint8_t* stage = smem + slot * kStage;
         load_stage<M, kPair, kBT, kFp8, kWide, kGather>(p, &map_a, &map_b, tile, kb, stage, stage + kTileBytesA, full,
                                                          rank);
@@ -461,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // A warp's lane 0 waits for free slots for the warp, so that the warp
         // leaves together.
         const int lane = static_cast<int>(threadIdx.x & 31), chunk = lane & 7;
-        using Gathering = RowGather<M>;
+        using Gathering = RowGather<M, kWide && kGather == kGatherB ? 4 : 2>;
         constexpr int kRows = Gathering::kRows;
         Gathering g;
         g.pitch16 = static_cast<uint32_t>((kGather == kGatherA ? p.args.a_cols : p.args.b_cols) / 8);
@@ -473,7 +477,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const Tile tile = scheduler.tile(t);
           if (tile.k_blocks == 0) continue;
           // kWeightGrad: the tile's 128 columns of the token rows.
-          g.rows = token_rows + (M == GemmMode::kWeightGrad ? (kGather == kGatherA ? tile.m : tile.n) * kBlockN * 2 : 0);
+          g.rows = token_rows + (M == GemmMode::kWeightGrad
+                                     ? (kGather == kGatherA ? tile.m * kBlockN : tile.n * (kWide ? 256 : kBlockN)) * 2
+                                     : 0);
           // M-grouped: this thread's rows of the tile, for all its k-blocks. kWeightGrad:
           // K is pool rows, so each k-block has its own, looked up a k-block ahead.
           const int64_t first_row =
@@ -861,13 +867,13 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   // slots); no row holds (expert parallelism's owners keep the 128 x 128
   // tiles); unless a test asks for the narrow ones. kGateUpGrad (B as given,
   // this GPU's slots) and kWeightGrad with N % 256 == 0, rows not gathered
-  // (kWeightGrad: or A gathered, its 128 columns as in the narrow tiles);
+  // (kWeightGrad: or gathered, A's 128 columns or B's 256);
   // kDownGrad (B as given, N % 256 == 0, rows pooled or A gathered) when
   // asked for (wide_down_grad).
   const bool wide_down_grad = args.wide_down_grad && args.mode == GemmMode::kDownGrad && !args.b_k_major &&
                               args.n % 256 == 0 && args.gather != Gather::kB;
   const bool wide_bwd =
-      (args.gather == Gather::kNone || (args.gather == Gather::kA && args.mode == GemmMode::kWeightGrad)) && !args.b_k_major && args.n % 256 == 0 &&
+      (args.gather == Gather::kNone || args.mode == GemmMode::kWeightGrad) && !args.b_k_major && args.n % 256 == 0 &&
                         ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
                          args.mode == GemmMode::kWeightGrad);
   const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
@@ -933,6 +939,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       if (args.gather == Gather::kA)
         return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
                                                                                   map_out1, p, num_sms, stream);
+      if (args.gather == Gather::kB && wide)
+        return launch_mode<m, false, false, false, false, false, true, kGatherB>(map_a, map_b, map_z, map_out0,
+                                                                                 map_out1, p, num_sms, stream);
       if (args.gather == Gather::kB && pair)
         return launch_mode<m, true, false, false, false, false, false, kGatherB>(map_a, map_b, map_z, map_out0,
                                                                                  map_out1, p, num_sms, stream);

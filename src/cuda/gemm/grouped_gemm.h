@@ -172,13 +172,12 @@ struct GroupedGemmArgs {
   // row_src[r] / top_k (the plan's) by cp.async, and a padding row (row_src
   // -1) as zeros. Bitwise the pool path's result, with no pool to write and
   // read. kA: kGateUp's x, kDownGrad's dy (B as given, not b_k_major),
-  // kWeightGrad's A (one CTA a tile: pairs share A by TMA multicast); kB:
-  // kWeightGrad's B. a_rows and b_rows still count the pool's rows (the
-  // epilogues' maps use them).
-  // Not used by the layer: on one H200 these kernels ran 1.5-3x slower than
-  // the pooled ones, far more than the gather_rows launches they would
-  // replace (perf-log, session 33); the tests keep them right until a
-  // profile says why.
+  // kWeightGrad's A; kB: kWeightGrad's B (kWeightGrad in the 128 x 256 tiles
+  // where N % 256 == 0, else A one CTA a tile, B in pairs). a_rows and
+  // b_rows still count the pool's rows (the epilogues' maps use them).
+  // Not used by the layer (-DMEGAMOE_GATHER_ROWS=ON for A/B runs): on one
+  // H200 these kernels ran 1.12-2.25x the pooled ones' time, more than the
+  // gather_rows launches they would replace (perf-log, session 34).
   enum class Gather { kNone, kA, kB };
   Gather gather = Gather::kNone;
   int64_t gather_tokens = 0;
