@@ -1325,6 +1325,15 @@ TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
     expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb,
                             {{out_b.view().data, static_cast<size_t>(E * H * I * 4)}});
   }
+  // B with N = 512 in the wide tiles: two column tiles, the second reading token columns 256..511.
+  Mat tok_wide, pb_wide;
+  token_rows_and_pool(tok_wide, pb_wide, 512, 27);
+  DeviceTensor out_wide;
+  cuda::GroupedGemmArgs g = weight_grad_problem(other_a, pb_wide, out_wide);
+  out_wide = DeviceTensor(DType::kF32, {E, H, 512});
+  g.n = 512, g.b_cols = 512, g.out0 = out_wide.view().data;
+  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_wide, pb_wide,
+                          {{out_wide.view().data, static_cast<size_t>(E * H * 512 * 4)}});
 }
 
 // What the gathering kernels do not cover is refused on the host.
@@ -1345,6 +1354,8 @@ TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
   expect_refused(bad, "no token count");
   bad = g, bad.gather_tokens = T - 1;
   expect_refused(bad, "fewer token rows than the plan's tokens");
+  bad = g, bad.k = 2 * H;  // K past the token rows' H columns
+  expect_refused(bad, "more columns than the token matrix has");
   bad = g, bad.plan.row_src = nullptr;
   expect_refused(bad, "no row_src");
   bad = g, bad.fp8 = true;

@@ -786,8 +786,15 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if (args.gather_tokens < args.plan.num_tokens)
       return invalid_argument("grouped GEMM: gathered rows: the token matrix has " + std::to_string(args.gather_tokens) +
                               " rows, fewer than the plan's " + std::to_string(args.plan.num_tokens) + " tokens");
+    // The copies read the columns the GEMM uses (M-grouped: K; kWeightGrad: A's m or B's n) with no bounds
+    // check, where TMA would fill zeros past the matrix's end.
+    const int64_t cols = args.gather == Gather::kA ? args.a_cols : args.b_cols;
+    const int64_t used = args.mode != GemmMode::kWeightGrad ? args.k : args.gather == Gather::kA ? args.m : args.n;
+    if (used > cols)
+      return invalid_argument("grouped GEMM: gathered rows: the GEMM reads " + std::to_string(used) +
+                              " columns of the token matrix, which has " + std::to_string(cols));
     // The producers address token rows by 32-bit offsets in 16-byte units (RowGather).
-    const int64_t row_bytes = (args.gather == Gather::kA ? args.a_cols : args.b_cols) * 2;
+    const int64_t row_bytes = cols * 2;
     if (args.gather_tokens * (row_bytes / 16) > int64_t{UINT32_MAX})
       return invalid_argument("grouped GEMM: the gathered token matrix is over 64 GiB (" +
                               std::to_string(args.gather_tokens) + " rows of " + std::to_string(row_bytes) +
