@@ -923,38 +923,22 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   const bool pair = args.pair_ctas && p.n_tiles % 2 == 0 && num_sms >= 2;
   auto launch = [&](auto mode) {
     constexpr GemmMode m = decltype(mode)::value;
-    // Gathered rows (bf16; checked above).
-    if constexpr (m == GemmMode::kGateUp) {
-      if (args.gather == Gather::kA && wide)
-        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
-    }
-    if constexpr (m == GemmMode::kDownGrad) {
-      if (args.gather == Gather::kA && wide)
-        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
-    }
-    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDownGrad) {
-      if (args.gather == Gather::kA)
-        return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                  map_out1, p, num_sms, stream);
+    // Gathered rows (bf16; the modes checked above): A in kGateUp, kDownGrad and kWeightGrad, B in
+    // kWeightGrad; the wide tiles where they apply, else kWeightGrad's B in pairs, else one CTA a tile.
+    auto gathering = [&](auto pair_ctas, auto wide_tiles, auto operand) {
+      return launch_mode<m, decltype(pair_ctas)::value, false, false, false, false, decltype(wide_tiles)::value,
+                         decltype(operand)::value>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDownGrad || m == GemmMode::kWeightGrad) {
+      using A = std::integral_constant<int, kGatherA>;
+      if (args.gather == Gather::kA) return wide ? gathering(No{}, Yes{}, A{}) : gathering(No{}, No{}, A{});
     }
     if constexpr (m == GemmMode::kWeightGrad) {
-      if (args.gather == Gather::kA && wide)
-        return launch_mode<m, false, false, false, false, false, true, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
-      if (args.gather == Gather::kA)
-        return launch_mode<m, false, false, false, false, false, false, kGatherA>(map_a, map_b, map_z, map_out0,
-                                                                                  map_out1, p, num_sms, stream);
-      if (args.gather == Gather::kB && wide)
-        return launch_mode<m, false, false, false, false, false, true, kGatherB>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
-      if (args.gather == Gather::kB && pair)
-        return launch_mode<m, true, false, false, false, false, false, kGatherB>(map_a, map_b, map_z, map_out0,
-                                                                                 map_out1, p, num_sms, stream);
+      using B = std::integral_constant<int, kGatherB>;
       if (args.gather == Gather::kB)
-        return launch_mode<m, false, false, false, false, false, false, kGatherB>(map_a, map_b, map_z, map_out0,
-                                                                                  map_out1, p, num_sms, stream);
+        return wide ? gathering(No{}, Yes{}, B{}) : pair ? gathering(Yes{}, No{}, B{}) : gathering(No{}, No{}, B{});
     }
     if constexpr (m == GemmMode::kGateUp || m == GemmMode::kDown) {
       if (args.fp8 && args.a_scales_by_k_block)
