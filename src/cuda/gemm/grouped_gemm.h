@@ -162,9 +162,10 @@ struct GroupedGemmArgs {
   bool narrow_tiles = false;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,
   // no row holds, rows pooled or A gathered): each consumer's z chunk is a
-  // column half of its 64 rows. Bitwise the 128 x 128 tiles' result. Written
-  // in session 34 without a GPU: off until its tests and an A/B have run (the
-  // layer asks for it when built with -DMEGAMOE_WIDE_DOWN_GRAD=ON).
+  // column half of its 64 rows. Bitwise the 128 x 128 tiles' result (GPU
+  // tests, session 35). Faster only when A is gathered (Qwen3-30B-A3B -8%,
+  // 235B -25%); pooled, 13% and 3% slower (both consumers' heavy epilogues
+  // at once): the layer asks for it when it gathers dy.
   bool wide_down_grad = false;
   // Gathered rows (bf16, the one-GPU layer): the operand named here is the
   // token matrix itself, [gather_tokens, its cols], instead of a pool made

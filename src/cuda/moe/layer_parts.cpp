@@ -108,14 +108,6 @@ GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan
   return g;
 }
 
-// kDownGrad in 128 x 256 tiles (GroupedGemmArgs::wide_down_grad): in the
-// layer only when built with -DMEGAMOE_WIDE_DOWN_GRAD=ON, until measured.
-#ifdef MEGAMOE_WIDE_DOWN_GRAD
-constexpr bool kWideDownGrad = true;
-#else
-constexpr bool kWideDownGrad = false;
-#endif
-
 // dW[e] = A_pool^T @ B_pool over each expert's rows.
 GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,
                             int64_t m, const void* b, int64_t n, void* out, const LayerGrads& grads) {
@@ -145,7 +137,10 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
   gd.out0 = c.dz_pool;
   gd.out1 = c.a_pool;
   gd.dw_partial = c.dw_partial;
-  gd.wide_down_grad = kWideDownGrad;
+  // 128 x 256 tiles only when kDownGrad gathers dy's rows: pooled, they are
+  // 13% (30B) and 3% (235B) slower than 128 x 128; gathering, 8% and 25%
+  // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
+  gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
                                                 d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
