@@ -31,6 +31,7 @@ Math, per route (t, j) with e = topk_idx[t, j] (-1 = no route, dropped):
   python3 bench/compare_torch.py                       # --all: 30B and 235B at 16384 tokens, every backend
   python3 bench/compare_torch.py --quick               # 30B only; megamoe and grouped_mm
   python3 bench/compare_torch.py --preset qwen3-30b-a3b --backends megamoe,sonicmoe --json out.json
+  python3 bench/compare_torch.py --preset qwen3-30b-a3b --backends megamoe,sonicmoe --kernels  # + kernel by kernel
   python3 bench/compare_torch.py --device cpu --preset tiny --tokens 64 --backends grouped_mm,megamoe
 """
 from __future__ import annotations
@@ -606,6 +607,45 @@ def flops(shape: Shape, routes: float, bwd_per_route: int) -> dict[str, float]:
     return {"fwd": 6 * unit, "bwd": bwd_per_route * unit, "fwd+bwd": (6 + bwd_per_route) * unit}
 
 
+def profile_kernels(impl: TorchImpl) -> dict[str, list[dict[str, Any]]]:
+    """--kernels: the GPU kernels of one forward and of one backward (rotation
+    slot 0, after the timing: warm), each with its duration on the GPU's clock
+    (torch.profiler / CUPTI), in launch order. Where a backend's time goes,
+    kernel by kernel, beside the others' in the same run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(call: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]]]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = call()
+            torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time_total > 0), key=lambda e: e.time_range.start)
+        return out, [{"name": e.name, "us": e.device_time_total} for e in evs]
+
+    state, fwd = kernels(lambda: impl.fwd(0))
+    grads, bwd = kernels(lambda: impl.bwd(state, 0))
+    del state, grads
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def print_kernels(records: list[dict]):
+    """The --kernels tables: per shape and backend, each phase's kernels (name
+    cut to 70 characters) and their sum."""
+    for rec in records:
+        sh = rec["shape"]
+        for b, r in rec["backends"].items():
+            ks = r.get("kernels")
+            if not ks:
+                continue
+            print(f"\nkernels: {sh['preset']} T={sh['tokens']} {b} (one call each, warm, us on the GPU's clock)")
+            for phase in ("fwd", "bwd"):
+                rows = ks.get(phase) or []
+                for i, k in enumerate(rows):
+                    print(f"  {phase} {i:>2} {k['name'][:70]:<70} {k['us']:>9.1f}")
+                print(f"  {phase} sum {'':<70} {sum(k['us'] for k in rows):>9.1f}")
+
+
 def run_child(args) -> dict:
     """One backend, one shape, this process: warm-up (compiles), memory of one
     fwd+bwd, timing, then the check against fp64. Never raises."""
@@ -708,6 +748,10 @@ def run_child(args) -> dict:
             mem_res["driver_points_bytes"] = dict(mem.points)
         res["memory"] = mem_res or None
 
+        if args.kernels and mem.cuda:
+            phase = "kernels"
+            res["kernels"] = profile_kernels(impl)
+
         phase = "check"
         errs = check_outputs(impl, inputs)
         res["errors_vs_fp64"] = errs
@@ -728,6 +772,7 @@ def run_child(args) -> dict:
 
 FORWARDED = ("save", "routing", "skew_sigma", "drop_frac", "iters", "warmup", "eager_iters", "eager_warmup",
              "gmm_align", "rotate", "device", "seed", "compile_mode", "perturb", "perturb_scale")
+FLAGS = ("kernels",)  # store_true options every child gets too
 
 
 def child_argv(args, backend: str, shape: Shape, out_json: str) -> list[str]:
@@ -739,6 +784,7 @@ def child_argv(args, backend: str, shape: Shape, out_json: str) -> list[str]:
             argv += ["--" + k.replace("_", "-"), str(v)]
     if not args.flush_l2:
         argv.append("--no-flush-l2")
+    argv += ["--" + k for k in FLAGS if getattr(args, k)]
     return argv
 
 
@@ -936,6 +982,8 @@ def parse_args(argv=None):
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="add the rows of earlier runs' --json files where this run has none that ran (marked *)")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--kernels", action="store_true",
+                   help="also list each backend's kernels of one forward and one backward (torch.profiler)")
     args = p.parse_args(argv)
     if args.backend:  # child
         if not args.json or len(args.preset or []) != 1 or len(args.tokens or []) != 1:
@@ -981,6 +1029,7 @@ def main(argv=None) -> int:
     print_header(args, results)
     print_table(args, records)
     print_notes(records)
+    print_kernels(records)
     fails = failures(args, records, args.explicit)
     if args.json:
         meta = {"torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "explicit"},
