@@ -260,11 +260,11 @@ int main(int argc, char** argv) {
   };
   const double routes = static_cast<double>(T) * k, Hd = static_cast<double>(H), Id = static_cast<double>(I);
   struct Row {
-    const char* name;
+    std::string name;
     double ms, flops;
   };
   std::vector<Row> rows;
-  auto time_gemm = [&](const char* name, const cuda::GroupedGemmArgs& g, double flops) {
+  auto time_gemm = [&](const std::string& name, const cuda::GroupedGemmArgs& g, double flops) {
     const double ms = median_ms([&] { CHECK_OK(cuda::launch_grouped_gemm(g, sms, nullptr)); }, warmup, iters);
     CHECK_OK(cuda::sync_and_take_device_error(0, nullptr));
     rows.push_back({name, ms, flops});
@@ -306,7 +306,7 @@ int main(int argc, char** argv) {
     return g;
   };
   time_gemm("kGateUpGrad bf16 narrow", narrow(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
-  // kDownGrad in 128 x 256 tiles (wide_down_grad; off in the layer until measured), pooled and gathered.
+  // kDownGrad in 128 x 256 tiles (wide_down_grad: the layer's only when it gathers dy), pooled and gathered.
   auto wide_down_grad = [](cuda::GroupedGemmArgs g) {
     g.wide_down_grad = true;
     return g;
@@ -316,8 +316,8 @@ int main(int argc, char** argv) {
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 narrow", narrow(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * 2 * Id * Hd);
-  // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.12-2.25x the pooled kernels' time in
-  // session 34), against the bf16 rows above plus `gather x pool` below. The gathering dW2 (A) and dW13 (B)
+  // Gathered token rows (GroupedGemmArgs::gather; not used by the layer: 1.14-1.37x the pooled kernels' time in
+  // session 35), against the bf16 rows above plus `gather x pool` below. The gathering dW2 (A) and dW13 (B)
   // run the wide tiles, as the pooled rows do.
   uint16_t* tokens = random_bf16(T * H, 1.0f, 9);
   auto gathered = [&](cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which) {
@@ -329,13 +329,18 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp bf16 gather", gathered(gate_up(false), kGatherA), 2 * routes * 2 * Id * Hd);
   time_gemm("kDownGrad bf16 gather", gathered(down_grad(false), kGatherA), 2 * routes * Hd * Id);
   time_gemm("kDownGrad bf16 wide gather", gathered(wide_down_grad(down_grad(false)), kGatherA), 2 * routes * Hd * Id);
-  // The M-grouped gathers asking L2 for each row's next k-block too (debug_gather_l2_prefetch).
-  auto l2_prefetch = [](cuda::GroupedGemmArgs g) {
-    g.debug_gather_l2_prefetch = true;
+  // The M-grouped gathers asking L2 for their rows N k-blocks ahead (gather_prefetch_k_blocks).
+  auto prefetching = [](cuda::GroupedGemmArgs g, int distance) {
+    g.gather_prefetch_k_blocks = distance;
     return g;
   };
-  time_gemm("kGateUp bf16 gather l2pf", l2_prefetch(gathered(gate_up(false), kGatherA)), 2 * routes * 2 * Id * Hd);
-  time_gemm("kDownGrad bf16 gather l2pf", l2_prefetch(gathered(down_grad(false), kGatherA)), 2 * routes * Hd * Id);
+  for (const int distance : {2, 4, 8}) {
+    const std::string pf = " pf" + std::to_string(distance);
+    time_gemm("kGateUp bf16 gather" + pf, prefetching(gathered(gate_up(false), kGatherA), distance),
+              2 * routes * 2 * Id * Hd);
+    time_gemm("kDownGrad bf16 wide gather" + pf,
+              prefetching(gathered(wide_down_grad(down_grad(false)), kGatherA), distance), 2 * routes * Hd * Id);
+  }
   time_gemm("dW2 bf16 gather", gathered(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), kGatherA),
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 gather", gathered(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), kGatherB),
@@ -384,12 +389,12 @@ int main(int argc, char** argv) {
                             warmup, iters), 0});
   std::printf("megamoe-gemm-bench: %s, %lld tokens (pool %lld rows), medians of %d after %d warm-ups\n", shape->name,
               static_cast<long long>(T), static_cast<long long>(C), iters, warmup);
-  std::printf("%-26s %9s %9s\n", "kernel", "us", "TFLOP/s");
+  std::printf("%-30s %9s %9s\n", "kernel", "us", "TFLOP/s");
   for (const Row& r : rows) {
     if (r.flops > 0)
-      std::printf("%-26s %9.1f %9.1f\n", r.name, r.ms * 1e3, r.flops / (r.ms * 1e9));
+      std::printf("%-30s %9.1f %9.1f\n", r.name.c_str(), r.ms * 1e3, r.flops / (r.ms * 1e9));
     else
-      std::printf("%-26s %9.1f %9s\n", r.name, r.ms * 1e3, "-");
+      std::printf("%-30s %9.1f %9s\n", r.name.c_str(), r.ms * 1e3, "-");
   }
   return 0;
 }

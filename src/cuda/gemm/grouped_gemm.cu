@@ -157,23 +157,36 @@ struct RowGather {
     for (int i = 0; i < kRows; ++i) valid |= look_up(p, first + i * 16 + lane_row(), off[i]) << i;
     return valid;
   }
-  // This thread's copies into `stage` (the stage's gathered operand) for k-block kb
-  // (kL2Prefetch: GroupedGemmArgs::debug_gather_l2_prefetch).
-  template <bool kL2Prefetch = false>
-  __device__ __forceinline__ void copy(uint8_t* stage, int kb, const uint32_t (&off)[kRows], uint32_t valid) const {
-    const uint32_t to = smem_u32(stage) + dst;
+  // This thread's copies for k-block kb into the stage whose gathered
+  // operand starts at shared-window address `stage`.
+  __device__ __forceinline__ void copy(uint32_t stage, int kb, const uint32_t (&off)[kRows], uint32_t valid) const {
+    const uint32_t to = stage + dst;
     const char* from = kWgrad ? rows : rows + kb * kBlockK * 2;
+    // One 64-bit base a stage, opaque to ptxas: each copy's address is then one
+    // IMAD.WIDE (left alone, it added the matrix's base per copy: 3 instructions).
+    asm("" : "+l"(from));
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int row = kWgrad ? i & 3 : i, box = kWgrad ? i >> 2 : 0;
-      const uint32_t d = to + box * kBoxBytes + row * 16 * 128;
-      const char* s = from + box * 128 + static_cast<uint64_t>(off[row]) * 16;
-      if constexpr (kL2Prefetch) {
-        cp_async_16_l2_256(d, s, (valid >> row) & 1u);
-      } else {
-        cp_async_16(d, s, (valid >> row) & 1u);
-      }
+      cp_async_16(to + box * kBoxBytes + row * 16 * 128, from + box * 128 + static_cast<uint64_t>(off[row]) * 16,
+                  (valid >> row) & 1u);
     }
+  }
+  // M-grouped L2 prefetch (GroupedGemmArgs::gather_prefetch_k_blocks): the
+  // eight threads that share a thread's rows (its chunk differs) take one
+  // row each, the chunk-th; its offset, and whether it is a token's.
+  __device__ __forceinline__ static uint32_t prefetch_row(const uint32_t (&off)[kRows], uint32_t valid, int chunk,
+                                                          uint32_t& pf_off) {
+    static_assert(!kWgrad, "kWeightGrad's rows change every k-block");
+    pf_off = off[0];
+#pragma unroll
+    for (int i = 1; i < kRows; ++i)
+      if (chunk == i) pf_off = off[i];
+    return (valid >> chunk) & 1u;
+  }
+  // Asks L2 for that row's 128 bytes of k-block kb (the line holding this thread's chunk).
+  __device__ __forceinline__ void prefetch(int kb, uint32_t pf_off) const {
+    prefetch_l2(rows + kb * kBlockK * 2 + static_cast<uint64_t>(pf_off) * 16);
   }
 };
 
@@ -463,8 +476,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         // here waits for them; the consumers' proxy fence after the full
         // wait orders these generic-proxy writes before their wgmma reads.
         // A warp's lane 0 waits for free slots for the warp, so that the warp
-        // leaves together.
+        // leaves together. The stages' and barriers' shared-window addresses
+        // stay in registers (StageRingAt).
         const int lane = static_cast<int>(threadIdx.x & 31), chunk = lane & 7;
+        const StageRingAt at = StageRingAt::of(ring);
+        const uint32_t gathered0 = smem_u32(smem) + (kGather == kGatherA ? 0 : kTileBytesA);
+        // M-grouped: k-blocks ahead of its copies that a thread asks L2 for one of its rows (0: none).
+        const int pf = M == GemmMode::kWeightGrad ? 0 : p.args.gather_prefetch_k_blocks;
         using Gathering = RowGather<M, kWide && kGather == kGatherB ? 4 : 2>;
         constexpr int kRows = Gathering::kRows;
         Gathering g;
@@ -486,23 +504,22 @@ __global__ void __launch_bounds__(kThreads, 1)
               M == GemmMode::kWeightGrad ? tile.k_begin : static_cast<int64_t>(tile.m) * kBlockM;
           uint32_t off[kRows], next_off[kRows];
           uint32_t valid = g.look_up_all(p, first_row, off), next_valid = valid;
+          uint32_t pf_off = 0;
+          bool pf_valid = false;
+          if constexpr (M != GemmMode::kWeightGrad) pf_valid = pf > 0 && Gathering::prefetch_row(off, valid, chunk, pf_off);
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
             if constexpr (M == GemmMode::kWeightGrad)
               if (kb + 1 < tile.k_blocks) next_valid = g.look_up_all(p, first_row + (kb + 1) * kBlockK, next_off);
             if (static_cast<int64_t>(ps.it) == stall_at) return;
-            if (!__shfl_sync(0xffffffffu, lane == 0 ? ring.wait_empty(waits, ps) : false, 0)) {
+            if (!__shfl_sync(0xffffffffu, lane == 0 ? at.wait_empty(waits, ps) : false, 0)) {
               cp_async_wait_all();  // no copy may land after the CTA has gone
               return;
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
-            uint8_t* stage = smem + ps.stage() * kStage;
-            uint8_t* gathered = kGather == kGatherA ? stage : stage + kTileBytesA;
-            if (M != GemmMode::kWeightGrad && p.args.debug_gather_l2_prefetch) {
-              g.template copy<true>(gathered, kb, off, valid);
-            } else {
-              g.copy(gathered, kb, off, valid);
-            }
-            cp_async_arrive_noinc(&ring.full[ps.stage()]);
+            g.copy(gathered0 + static_cast<uint32_t>(ps.stage() * kStage), kb, off, valid);
+            if constexpr (M != GemmMode::kWeightGrad)
+              if (pf_valid && kb + pf < tile.k_blocks) g.prefetch(kb + pf, pf_off);
+            cp_async_arrive_noinc(at.full_at(ps.stage()));
             if constexpr (M == GemmMode::kWeightGrad) {
 #pragma unroll
               for (int i = 0; i < kRows; ++i) off[i] = next_off[i];
@@ -768,6 +785,9 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
 
 Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream) {
   using Gather = GroupedGemmArgs::Gather;
+  if (args.gather_prefetch_k_blocks < 0 || args.gather_prefetch_k_blocks > 64)
+    return invalid_argument("grouped GEMM: gather_prefetch_k_blocks is " +
+                            std::to_string(args.gather_prefetch_k_blocks) + "; 0 (none) to 64 k-blocks ahead");
   if (args.gather != Gather::kNone) {
     if (args.fp8 || args.rows_ready != nullptr)
       return invalid_argument("grouped GEMM: gathered rows are for bf16 without rows_ready");

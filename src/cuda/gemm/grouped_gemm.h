@@ -142,11 +142,13 @@ struct GroupedGemmArgs {
   // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
-  // Timing only (megamoe-gemm-bench's `gather l2pf` rows): the gathering
-  // producers' M-grouped copies ask L2 for the aligned 256 bytes around each
-  // 128 (on 256-byte-aligned rows, k-blocks 2j and 2j + 1 come together), to
-  // see whether the gathered rows' DRAM latency bounds them.
-  bool debug_gather_l2_prefetch = false;
+  // Gathering M-grouped kernels (kGateUp, kDownGrad): each producer thread
+  // asks L2 (prefetch.global.L2) for one of its rows' 128 bytes this many
+  // k-blocks ahead of its copies, so that the copies find the rows in L2
+  // (0: no prefetch; 0..64). The gathering kernels are latency-bound, the
+  // ring's stages all in flight (Nsight Compute, session 35). A tuning knob
+  // until measured (megamoe-gemm-bench `gather pfN` rows).
+  int gather_prefetch_k_blocks = 0;
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
   // set false to compare with the one-CTA path.

@@ -60,10 +60,13 @@ struct BoundedWait {
   // constant there, so the others compile without the check below.
   bool rows_may_hold;
 
-  // An mbarrier phase (the ring's and the order barriers). The polling loop
-  // is kept as it was before the row waits existed: folding both kinds of
-  // wait into one templated loop changed the M-grouped kernels' code.
-  __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
+  // An mbarrier phase (the ring's and the order barriers); `bar` its pointer,
+  // or its shared-window address where the caller keeps that in a register
+  // (the gathering producers). The polling loop is kept as it was before the
+  // row waits existed: folding both kinds of wait into one templated loop
+  // changed the M-grouped kernels' code.
+  template <typename Bar>
+  __device__ __forceinline__ bool wait(Bar bar, uint32_t parity, BarrierId barrier, uint32_t phase) const {
     if (ptx::mbar_try_wait(bar, parity)) return true;
     const uint64_t start = global_timer_ns();
     uint64_t leave_at = ~uint64_t{0};  // set once the abort bit is seen
@@ -134,6 +137,25 @@ struct StageRing {
   // A consumer: wait until the slot of `ps` holds its data.
   __device__ __forceinline__ bool wait_full(const BoundedWait& w, PipelineState<kStages> ps) const {
     return w.wait(&full[ps.stage()], ps.parity(), kBarrierFull, ps.it);
+  }
+};
+
+// The same ring by the shared-window addresses of its barriers, kept in
+// registers: the gathering producers' loop (grouped_gemm.cu), where
+// converting the pointers each stage (S2UR SR_CgaCtaId chains) was ~20% of
+// the producer warps' time (Nsight Compute, session 35).
+struct StageRingAt {
+  uint32_t full;   // full[0]'s address; full[s] is 8 s bytes on
+  uint32_t empty;  // empty[0]'s
+
+  template <int kStages>
+  __device__ __forceinline__ static StageRingAt of(const StageRing<kStages>& ring) {
+    return {ptx::smem_u32(ring.full), ptx::smem_u32(ring.empty)};
+  }
+  __device__ __forceinline__ uint32_t full_at(int stage) const { return full + 8u * static_cast<uint32_t>(stage); }
+  template <int kStages>
+  __device__ __forceinline__ bool wait_empty(const BoundedWait& w, PipelineState<kStages> ps) const {
+    return w.wait(empty + 8u * static_cast<uint32_t>(ps.stage()), ps.empty_parity(), kBarrierEmpty, ps.it);
   }
 };
 

@@ -47,7 +47,9 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+// `bar` as a shared-window address (a caller that keeps it in a register: the
+// generic-to-shared conversion costs a chain of uniform instructions a call).
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
       "{\n"
@@ -56,9 +58,12 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
       "selp.u32 %0, 1, 0, p;\n"
       "}\n"
       : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
+      : "r"(bar), "r"(parity)
       : "memory");
   return done != 0;
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  return mbar_try_wait(smem_u32(bar), parity);
 }
 // There is deliberately no unbounded wait here: the engine's waits poll
 // mbar_try_wait under a time bound and report what gave up (BoundedWait in
@@ -126,18 +131,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* src, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
-// The same, asking L2 to fetch the aligned 256-byte block around src (a
-// gathered row's other k-block of the pair 2j, 2j + 1 on aligned rows).
-__device__ __forceinline__ void cp_async_16_l2_256(uint32_t smem_dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+// Asks L2 for the 128-byte line holding p (no data comes back to the SM).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 // Arrives on the mbarrier once all of this thread's earlier cp.async copies
 // have landed; .noinc: the arrival is one of those the barrier was
 // initialised to expect.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 // Waits until all of this thread's cp.async copies have landed.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
