@@ -312,6 +312,15 @@ int main(int argc, char** argv) {
     return g;
   };
   time_gemm("kDownGrad bf16 wide", wide_down_grad(down_grad(false)), 2 * routes * Hd * Id);
+  // Each expert's tiles rows first (rows_first): few large experts (--preset mixtral-8x7b) stream less of B.
+  auto rows_first = [](cuda::GroupedGemmArgs g) {
+    g.rows_first = true;
+    return g;
+  };
+  time_gemm("kGateUp bf16 rows-first", rows_first(gate_up(false)), 2 * routes * 2 * Id * Hd);
+  time_gemm("kDown bf16 rows-first", rows_first(down(false)), 2 * routes * Hd * Id);
+  time_gemm("kDownGrad bf16 rows-first", rows_first(down_grad(false)), 2 * routes * Hd * Id);
+  time_gemm("kGateUpGrad bf16 rows-first", rows_first(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("dW2 bf16 narrow", narrow(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr)),
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 narrow", narrow(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr)),

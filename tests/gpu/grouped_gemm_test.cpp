@@ -1004,6 +1004,69 @@ TEST_P(GroupedGemm, WideDownGradTilesAreBitwiseTheNarrowOnes) {
   }
 }
 
+// rows_first (an expert's row tiles of one column tile next to each other)
+// against the columns-first order: every output bit for bit, in each
+// M-grouped mode, in 128 x 256 and 128 x 128 tiles, and kDownGrad with dy
+// gathered. Here an expert holds 1-3 row tiles and 2-4 column tiles, so the
+// orders differ in every expert; a tile numbered twice or left out shows.
+TEST_P(GroupedGemm, RowsFirstTilesAreBitwiseTheColumnsFirstOnes) {
+  auto both_orders = [&](const cuda::GroupedGemmArgs& g, const Outputs& outs, const char* what) {
+    cuda::GroupedGemmArgs rows_first = g;
+    rows_first.rows_first = true;
+    expect_same_bytes(outs, [&] { run(g); }, [&] { run(rows_first); }, what);
+  };
+  {
+    Mat x, w13, z, a;
+    cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+    both_orders(g, {z.bytes(), a.bytes()}, "kGateUp (128 x 256)");
+    g.narrow_tiles = true;
+    both_orders(g, {z.bytes(), a.bytes()}, "kGateUp (128 x 128)");
+  }
+  {
+    Mat a, w2, slots;
+    cuda::GroupedGemmArgs g = down_problem(a, w2, slots, 512);
+    both_orders(g, {slots.bytes()}, "kDown (128 x 256, N = 512)");
+    g.narrow_tiles = true;
+    both_orders(g, {slots.bytes()}, "kDown (128 x 128, N = 512)");
+  }
+  {
+    Mat dy, w2, z, dz, wa, tok;
+    DeviceTensor dw_partial;
+    cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial, 512);
+    const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (512 / 128) * 4)}};
+    both_orders(g, outs, "kDownGrad (128 x 128, I = 512)");
+    g.wide_down_grad = true;
+    both_orders(g, outs, "kDownGrad (128 x 256, I = 512)");
+    token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
+    g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+    both_orders(g, outs, "kDownGrad (128 x 256, dy gathered)");
+  }
+  {
+    Mat dz, w13, slots;
+    cuda::GroupedGemmArgs g = gate_up_grad_problem(dz, w13, slots, 512);
+    both_orders(g, {slots.bytes()}, "kGateUpGrad (128 x 256, N = 512)");
+    g.narrow_tiles = true;
+    both_orders(g, {slots.bytes()}, "kGateUpGrad (128 x 128, N = 512)");
+  }
+  // Not for kWeightGrad (its own order) nor held tiles (rows_ready: pool order, in which rows arrive).
+  Mat pa, pb;
+  random_pool(pa, H, 1);
+  random_pool(pb, I, 2);
+  DeviceTensor out;
+  cuda::GroupedGemmArgs wg = weight_grad_problem(pa, pb, out);
+  wg.rows_first = true;
+  Mat x, w13, z, a;
+  cuda::GroupedGemmArgs held = gate_up_problem(x, w13, z, a);
+  DeviceTensor ready(DType::kI32, {C / 128});
+  held.rows_ready = static_cast<const uint32_t*>(ready.view().data), held.rows_first = true;
+  for (const cuda::GroupedGemmArgs* bad : {&wg, &held}) {
+    const Status st = cuda::launch_grouped_gemm(*bad, sms, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("rows_first"), std::string::npos) << st.to_string();
+  }
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
+}
+
 // bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a
 // tile, N = 256 and 512, into fp32, fp32 += and bf16: every output bit for
 // bit, and the wide result against the CPU.

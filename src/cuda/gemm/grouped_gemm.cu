@@ -825,6 +825,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
   if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
     return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  // rows_first reorders the M-grouped modes' tiles; held tiles (rows_ready) keep pool order, in which their rows
+  // arrive.
+  if (args.rows_first && (args.mode == GemmMode::kWeightGrad || args.rows_ready != nullptr))
+    return invalid_argument("grouped GEMM: rows_first orders the M-grouped modes' tiles without rows_ready (not "
+                            "kWeightGrad, not held tiles)");
   if (args.mode == GemmMode::kWeightGrad && reinterpret_cast<uintptr_t>(args.out0) % (args.out_f32 ? 16 : 8) != 0)
     return internal_error("grouped GEMM: kWeightGrad's output must be 16-byte (fp32) or 8-byte (bf16) aligned (4-column "
                           "stores)");

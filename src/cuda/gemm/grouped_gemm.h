@@ -162,6 +162,15 @@ struct GroupedGemmArgs {
   // same products summed in the same order). The backward's wide tiles:
   // kGateUpGrad -11%, dW2 -4%, dW13 -3% at Qwen3-235B-A22B (session 34).
   bool narrow_tiles = false;
+  // M-grouped modes, no rows_ready: walk each expert's tiles rows first
+  // (all its 128-row tiles of one column tile, then the next column tile)
+  // instead of columns first. Concurrently running tiles then share a few
+  // column tiles of B (the weights) instead of needing all of the expert's:
+  // for few large experts (Mixtral: 235 MB of w13 an expert, over 100 tiles
+  // an expert) columns first streams B from DRAM once per row tile. Where an
+  // expert's tiles fit in one wave of CTAs, the two orders run the same tiles
+  // at once. Bitwise the columns-first result (tests).
+  bool rows_first = false;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,
   // no row holds, rows pooled or A gathered): each consumer's z chunk is a
   // column half of its 64 rows. Bitwise the 128 x 128 tiles' result (GPU

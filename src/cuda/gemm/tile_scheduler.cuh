@@ -3,15 +3,20 @@
 //
 // Tiles are numbered on the device (their count depends on the routing, read
 // from the plan, never from the host); CTA b takes t = b, b + grid, ... and
-// its two consumers alternate over them. Order today: M-grouped modes walk
-// the pool's 128-row tiles in pool order (experts in id order), the column
-// tiles of one row tile next to each other, so the row tile's A rows are
-// read from L2 by consecutive tiles; kWeightGrad walks (expert, m, n).
+// its two consumers alternate over them. Order: M-grouped modes walk the
+// experts in id order (pool order); within an expert, the column tiles of
+// one row tile next to each other (the row tile's A rows read from L2 by
+// consecutive tiles), or with GroupedGemmArgs::rows_first the row tiles of
+// one column tile (its B columns read from L2 by consecutive tiles). Either
+// way expert e's tiles are numbers [first_e * n_tiles, (first_e + count_e) *
+// n_tiles), first_e its first pool row tile: t / n_tiles names the expert.
+// kWeightGrad walks (expert, m, n).
 // With rows_ready, the producer holds a tile until its rows have arrived.
 #pragma once
 
 #include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/pipeline.cuh"
+#include "megamoe/problem.h"
 
 namespace megamoe::cuda::engine {
 
@@ -56,13 +61,20 @@ struct TileScheduler {
       tile.k_blocks = (rows + kb - 1) / kb;
       tile.lower_half_used = true;
     } else {
+      static_assert(kPoolRowAlign == kBlockM, "experts start on row tiles (rows_first numbers an expert's tiles)");
       tile.m = t / p.n_tiles;
       tile.n = t % p.n_tiles;
       tile.expert = p.args.plan.tile_expert[tile.m];
       tile.k_begin = 0;
       tile.k_blocks = p.k_blocks;
-      const int end = p.args.plan.expert_offset[tile.expert] + p.args.plan.expert_rows[tile.expert];
-      tile.lower_half_used = end - tile.m * kBlockM > 64;
+      const int begin = p.args.plan.expert_offset[tile.expert], rows = p.args.plan.expert_rows[tile.expert];
+      if (p.args.rows_first) {
+        const int first = begin / kBlockM, count = (rows + kBlockM - 1) / kBlockM;
+        const int local = t - first * p.n_tiles;
+        tile.m = first + local % count;
+        tile.n = local / count;
+      }
+      tile.lower_half_used = begin + rows - tile.m * kBlockM > 64;
     }
     return tile;
   }

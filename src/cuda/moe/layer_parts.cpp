@@ -94,9 +94,22 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d) {
   return p;
 }
 
+// Experts whose weights (B) pass this many bytes walk their tiles rows first
+// (GroupedGemmArgs::rows_first): concurrently running tiles then read a few
+// column tiles of B instead of all of it (Mixtral's w13: 235 MB an expert,
+// against the H200's 50 MB of L2). Qwen3-235B-A22B's w13 (25 MB) stays below.
+// In the layer only when built with -DMEGAMOE_ROWS_FIRST=ON, until measured.
+constexpr int64_t kRowsFirstWeightBytes = int64_t{32} << 20;
+#ifdef MEGAMOE_ROWS_FIRST
+constexpr bool kRowsFirst = true;
+#else
+constexpr bool kRowsFirst = false;
+#endif
+
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n) {
   GroupedGemmArgs g;
+  g.rows_first = kRowsFirst && plan.num_experts > 0 && b_rows / plan.num_experts * b_cols * 2 > kRowsFirstWeightBytes;
   g.mode = mode;
   g.plan = plan;
   g.n = n;
