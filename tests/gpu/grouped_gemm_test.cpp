@@ -1346,7 +1346,7 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   g.a = x.dev.view().data;
   const Outputs outs = {z.bytes(), a.bytes()};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.gather_prefetch_k_blocks = 4;  // (L2 prefetches: the same bytes)
+  g.gather_prefetch_k_blocks = 4;  // (L2 prefetches, here all into each CTA's next tile: the same bytes)
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
   g.gather_prefetch_k_blocks = 64;  // past every tile's last k-block: none issued
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);

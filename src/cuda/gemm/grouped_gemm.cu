@@ -174,7 +174,8 @@ struct RowGather {
   }
   // M-grouped L2 prefetch (GroupedGemmArgs::gather_prefetch_k_blocks): the
   // eight threads that share a thread's rows (its chunk differs) take one
-  // row each, the chunk-th; its offset, and whether it is a token's.
+  // row each, the chunk-th (row first + chunk * 16 + lane_row()); its offset,
+  // and whether it is a token's.
   __device__ __forceinline__ static uint32_t prefetch_row(const uint32_t (&off)[kRows], uint32_t valid, int chunk,
                                                           uint32_t& pf_off) {
     static_assert(!kWgrad, "kWeightGrad's rows change every k-block");
@@ -504,9 +505,19 @@ __global__ void __launch_bounds__(kThreads, 1)
               M == GemmMode::kWeightGrad ? tile.k_begin : static_cast<int64_t>(tile.m) * kBlockM;
           uint32_t off[kRows], next_off[kRows];
           uint32_t valid = g.look_up_all(p, first_row, off), next_valid = valid;
-          uint32_t pf_off = 0;
-          bool pf_valid = false;
-          if constexpr (M != GemmMode::kWeightGrad) pf_valid = pf > 0 && Gathering::prefetch_row(off, valid, chunk, pf_off);
+          // Prefetches (M-grouped, pf > 0): this thread's row of the tile, and the
+          // same row of its next tile, which the last pf k-blocks prefetch into.
+          uint32_t pf_off = 0, pf_next_off = 0;
+          bool pf_valid = false, pf_next_valid = false;
+          if constexpr (M != GemmMode::kWeightGrad) {
+            if (pf > 0) {
+              pf_valid = Gathering::prefetch_row(off, valid, chunk, pf_off);
+              if (t + static_cast<int>(gridDim.x) < tiles) {
+                const int64_t next_first = static_cast<int64_t>(scheduler.tile(t + gridDim.x).m) * kBlockM;
+                pf_next_valid = g.look_up(p, next_first + chunk * 16 + Gathering::lane_row(), pf_next_off) != 0u;
+              }
+            }
+          }
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
             if constexpr (M == GemmMode::kWeightGrad)
               if (kb + 1 < tile.k_blocks) next_valid = g.look_up_all(p, first_row + (kb + 1) * kBlockK, next_off);
@@ -517,8 +528,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
             g.copy(gathered0 + static_cast<uint32_t>(ps.stage() * kStage), kb, off, valid);
-            if constexpr (M != GemmMode::kWeightGrad)
-              if (pf_valid && kb + pf < tile.k_blocks) g.prefetch(kb + pf, pf_off);
+            if constexpr (M != GemmMode::kWeightGrad) {  // (M-grouped: every tile has k_blocks)
+              if (kb + pf < tile.k_blocks) {
+                if (pf_valid) g.prefetch(kb + pf, pf_off);
+              } else if (pf_next_valid && kb + pf < 2 * tile.k_blocks) {
+                g.prefetch(kb + pf - tile.k_blocks, pf_next_off);
+              }
+            }
             cp_async_arrive_noinc(at.full_at(ps.stage()));
             if constexpr (M == GemmMode::kWeightGrad) {
 #pragma unroll

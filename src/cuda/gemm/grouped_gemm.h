@@ -144,8 +144,8 @@ struct GroupedGemmArgs {
   bool debug_skip_epilogue = false;
   // Gathering M-grouped kernels (kGateUp, kDownGrad): each producer thread
   // asks L2 (prefetch.global.L2) for one of its rows' 128 bytes this many
-  // k-blocks ahead of its copies, so that the copies find the rows in L2
-  // (0: no prefetch; 0..64). The gathering kernels are latency-bound, the
+  // k-blocks ahead of its copies (into the CTA's next tile near a tile's
+  // end), so that the copies find the rows in L2 (0: no prefetch; 0..64). The gathering kernels are latency-bound, the
   // ring's stages all in flight (Nsight Compute, session 35). A tuning knob
   // until measured (megamoe-gemm-bench `gather pfN` rows).
   int gather_prefetch_k_blocks = 0;
