@@ -12,6 +12,7 @@
 #include "cuda/fp8/quantize.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
+#include "cuda/moe/layer_kernels.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
 #include "row_release.h"
@@ -1065,6 +1066,80 @@ TEST_P(GroupedGemm, RowsFirstTilesAreBitwiseTheColumnsFirstOnes) {
     EXPECT_NE(st.message().find("rows_first"), std::string::npos) << st.to_string();
   }
   MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
+}
+
+// GroupedGemmArgs::side_combine: a combine in a kWeightGrad launch's idle
+// warps, in two launches splitting the tokens, gives combine_slots' bytes
+// (with a dropped route in every fifth token), in the wide tiles and the CTA
+// pairs, and leaves the GEMM's own output as it was; with a failed plan every
+// combined row is NaN and the plan's error is reported.
+TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
+  HostTensor ids(DType::kI32, {T, k});
+  for (int64_t i = 0; i < T * k; ++i) ids.set(i, data.topk_idx.get(i));
+  for (int64_t t = 0; t < T; t += 5) ids.set(t * k + 1, -1);
+  DeviceTensor d_ids(DType::kI32, {T, k});
+  ASSERT_TRUE(d_ids.upload(ids).ok());
+  const auto* ids_p = static_cast<const int32_t*>(d_ids.view().data);
+  Mat slots, dx;
+  random_mat(slots, k * T, H, 1.0, 31);
+  dx.make(T, H);
+  DeviceTensor key(DType::kI32, {2});
+  ASSERT_TRUE(key.fill_bytes(0xFF).ok());  // kNoPlanError
+  const auto* key_p = static_cast<const unsigned long long*>(key.view().data);
+  Mat pa, pb;
+  random_pool(pa, H, 1);
+  random_pool(pb, I, 2);
+  DeviceTensor out;
+  const cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
+  auto with_side = [&](cuda::GroupedGemmArgs a, int64_t begin, int64_t end) {
+    cuda::GroupedGemmArgs::SideCombine& s = a.side_combine;
+    s.slots = slots.dev.view().data, s.slot_tokens = T;
+    s.topk_idx = ids_p, s.tokens = T, s.begin = begin, s.end = end;
+    s.top_k = k, s.num_experts = E, s.hidden = H;
+    s.error_key = key_p, s.out = dx.dev.view().data;
+    return a;
+  };
+  auto combine = [&] {
+    MEGAMOE_ASSERT_OK(cuda::combine_slots(slots.dev.view().data, ids_p, T, k, E, H, key_p, errors,
+                                          dx.dev.view().data, nullptr));
+  };
+  for (const bool pairs : {false, true}) {
+    cuda::GroupedGemmArgs host = g;
+    host.narrow_tiles = pairs, host.pair_ctas = pairs;
+    const char* form = pairs ? " (CTA pairs)" : " (128 x 256 tiles)";
+    expect_same_bytes({dx.bytes()}, combine, [&] {
+      run(with_side(host, 0, T / 3));
+      run(with_side(host, T / 3, T));
+    }, (std::string("dx") + form).c_str());
+    const Outputs dw = {{out.view().data, static_cast<size_t>(E * H * I * 4)}};
+    expect_same_bytes(dw, [&] { run(host); }, [&] { run(with_side(host, 0, T)); },
+                      (std::string("dW beside the side job") + form).c_str());
+  }
+  // A failed plan (route 5's id out of range): every row NaN, the error reported once.
+  const unsigned long long failed = (5ull << 2) | cuda::kPlanErrorOutOfRange;
+  ASSERT_EQ(cudaMemcpy(key.view().data, &failed, sizeof failed, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE(dx.dev.fill_bytes(0).ok());
+  cuda::GroupedGemmArgs bad = with_side(g, 0, T);
+  bad.errors = errors;
+  ASSERT_TRUE(cuda::launch_grouped_gemm(bad, sms, nullptr).ok());
+  const Status st = cuda::sync_and_take_device_error(0, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("out of range"), std::string::npos) << st.to_string();
+  const std::vector<float> got = dx.download();
+  EXPECT_EQ(std::count_if(got.begin(), got.end(), [](float v) { return !std::isnan(v); }), 0);
+  // Refused where it does not run: a kernel other than bf16 kWeightGrad, a range past the tokens.
+  for (const auto& [what, refused] : std::vector<std::pair<const char*, cuda::GroupedGemmArgs>>{
+           {"kGateUp", [&] {
+              Mat x, w13, z, a;
+              cuda::GroupedGemmArgs r = gate_up_problem(x, w13, z, a);
+              r.side_combine = with_side(g, 0, T).side_combine;
+              return r;
+            }()},
+           {"end past tokens", with_side(g, 0, T + 1)}}) {
+    const Status r = cuda::launch_grouped_gemm(refused, sms, nullptr);
+    EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << what << ": " << r.to_string();
+    EXPECT_NE(r.message().find("side_combine"), std::string::npos) << what << ": " << r.to_string();
+  }
 }
 
 // bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a

@@ -26,6 +26,7 @@
 #include "cuda/gemm/epilogues.cuh"
 #include "cuda/gemm/pipeline.cuh"
 #include "cuda/gemm/route_division.h"
+#include "cuda/gemm/side_combine.cuh"
 #include "cuda/gemm/tensor_map.h"
 #include "cuda/gemm/tile_scheduler.cuh"
 #include "cuda/ptx/sm90.cuh"
@@ -566,6 +567,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int s = 0; s < S; ++s, ++ps)
           if (!ring.wait_empty(waits, ps)) return;
     }
+    // Warps 1-3 (idle in these kernels): the side job, if any (bf16 kWeightGrad
+    // only: in kDownGrad's kernels its registers made ptxas spill).
+    if constexpr (M == GemmMode::kWeightGrad && !kFp8 && kGather == kGatherNone)
+      if (threadIdx.x >= 32 && p.args.side_combine.out != nullptr) run_side_combine<1>(p.args.side_combine, p.args.errors);
     return;
   }
 
@@ -841,6 +846,17 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
   if (args.rows_ready != nullptr && args.mode == GemmMode::kWeightGrad)
     return internal_error("grouped GEMM: rows_ready holds pool tiles of the M-grouped modes, not kWeightGrad");
+  if (args.side_combine.out != nullptr) {
+    const GroupedGemmArgs::SideCombine& s = args.side_combine;
+    if (args.mode != GemmMode::kWeightGrad || args.fp8 || args.gather != Gather::kNone)
+      return invalid_argument("grouped GEMM: side_combine runs in the bf16 kWeightGrad kernels that do not gather rows");
+    if (s.slots == nullptr || s.topk_idx == nullptr || s.error_key == nullptr || s.begin < 0 || s.begin > s.end ||
+        s.end > s.tokens || s.slot_tokens < s.tokens || s.top_k < 1 || s.top_k > 32 || s.num_experts < 1 ||
+        s.hidden <= 0 || s.hidden % 8 != 0 || s.hidden / 8 > INT32_MAX)
+      return invalid_argument("grouped GEMM: side_combine needs slots, topk_idx and error_key, 0 <= begin <= end <= "
+                              "tokens <= slot_tokens, top_k 1..32, num_experts >= 1 and hidden a positive multiple "
+                              "of 8");
+  }
   // rows_first reorders the M-grouped modes' tiles; held tiles (rows_ready) keep pool order, in which their rows
   // arrive.
   if (args.rows_first && (args.mode == GemmMode::kWeightGrad || args.rows_ready != nullptr))

@@ -171,6 +171,26 @@ struct GroupedGemmArgs {
   // expert's tiles fit in one wave of CTAs, the two orders run the same tiles
   // at once. Bitwise the columns-first result (tests).
   bool rows_first = false;
+  // A side job (bf16 kWeightGrad, rows not gathered): the producer
+  // warpgroup's three idle warps of every CTA combine token rows [begin, end)
+  // from their slots while the GEMM runs: out[t] = the fixed-order sum over
+  // t's valid routes j of slots[j][t] (combine_slots' arithmetic, bit for
+  // bit), every row NaN when error_key says the plan failed (reported by the
+  // launch with begin 0). None when out is null. The layer's dx combine
+  // rides in dW2 (its first third of the tokens) and dW13 (the rest) with
+  // -DMEGAMOE_SIDE_COMBINE=ON (session 35, not yet measured).
+  struct SideCombine {
+    const void* slots = nullptr;  // [top_k][slot_tokens][hidden] bf16
+    int64_t slot_tokens = 0;      // rows of one route's slot plane (>= tokens)
+    const int32_t* topk_idx = nullptr;  // [tokens, top_k]
+    int64_t tokens = 0;                 // all of them (topk_idx's rows)
+    int64_t begin = 0, end = 0;         // the ones this launch combines
+    int top_k = 0, num_experts = 0;
+    int64_t hidden = 0;  // a multiple of 8
+    const unsigned long long* error_key = nullptr;  // the routing plan's
+    void* out = nullptr;  // [tokens][hidden] bf16
+  };
+  SideCombine side_combine;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,
   // no row holds, rows pooled or A gathered): each consumer's z chunk is a
   // column half of its 64 rows. Bitwise the 128 x 128 tiles' result (GPU

@@ -59,6 +59,29 @@ constexpr bool kGatherRows = false;
 #endif
 bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
+// The bf16 backward's dx combine rides in dW2's and dW13's idle producer
+// warps (GroupedGemmArgs::side_combine) instead of a kernel of its own: an
+// experiment, only when built with -DMEGAMOE_SIDE_COMBINE=ON (session 35,
+// not yet measured). dW2 takes the first third of the tokens (it runs about
+// half as long as dW13).
+#ifdef MEGAMOE_SIDE_COMBINE
+constexpr bool kSideCombine = true;
+#else
+constexpr bool kSideCombine = false;
+#endif
+bool combines_on_the_side(const LayerDims& d) { return kSideCombine && !fp8_backward(d) && !gathers_rows(d); }
+
+// dx's combine of tokens [begin, end) as g's side job.
+void combine_on_the_side(GroupedGemmArgs& g, const Carved& c, const LayerInputs& in, const LayerDims& d, void* dx,
+                         int64_t begin, int64_t end) {
+  GroupedGemmArgs::SideCombine& s = g.side_combine;
+  s.slots = c.slots, s.slot_tokens = d.tokens;
+  s.topk_idx = in.topk_idx, s.tokens = d.tokens, s.begin = begin, s.end = end;
+  s.top_k = d.top_k, s.num_experts = d.num_experts, s.hidden = d.hidden;
+  s.error_key = c.pv.plan.error_key;
+  s.out = dx;
+}
+
 // `rows` (the token rows [T, cols]) as g's gathered operand `which`.
 void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const void* rows, const LayerDims& d) {
   (which == GroupedGemmArgs::Gather::kA ? g.a : g.b) = rows;
@@ -194,9 +217,10 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
                                                     grads.d_topk_weights, sms, nullptr,
                                                     gathers_rows(d) ? dy : nullptr));
   }
-  // dx: the fixed-order sum of its slots.
-  MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
-                                        call.errors, grads.dx, call.stream));
+  // dx: the fixed-order sum of its slots (or in the weight gradients' idle warps: combines_on_the_side).
+  if (!combines_on_the_side(d))
+    MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
+                                          call.errors, grads.dx, call.stream));
 
   // dW2[e] = dy^T (w a); then x back into the pool for dW13[e] = dz^T x (FP8:
   // dy^T and x^T straight into e4m3 as dy's and x's token rows are gathered,
@@ -213,6 +237,16 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
     MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
     GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, nullptr, H, grads.dw13, grads);
     gather_in_gemm(dw13, GroupedGemmArgs::Gather::kB, in.x, d);
+    return launch_grouped_gemm(dw13, sms, call.stream);
+  }
+  if (combines_on_the_side(d)) {
+    GroupedGemmArgs dw2 = detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads);
+    combine_on_the_side(dw2, c, in, d, grads.dx, 0, T / 3);
+    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+    GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads);
+    combine_on_the_side(dw13, c, in, d, grads.dx, T / 3, T);
     return launch_grouped_gemm(dw13, sms, call.stream);
   }
   MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,

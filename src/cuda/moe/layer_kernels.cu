@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/moe/device_plan.h"
+#include "cuda/moe/slot_sums.cuh"
 
 namespace megamoe::cuda {
 namespace {
@@ -35,13 +36,7 @@ __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, con
                                      DeviceErrorSink errors, uint4* out) {
   const unsigned long long key = *error_key;
   const bool failed = key != kNoPlanError;
-  if (failed && blockIdx.x == 0 && threadIdx.x == 0) {
-    const unsigned long long route = key >> 2;
-    // (A peer's failure, kPlanErrorPeer, names route 0, which may not exist;
-    // its own timeout report came first and stands.)
-    const int32_t id = route < static_cast<unsigned long long>(T * k) ? topk_idx[route] : -1;
-    report_routing(errors, key, id, static_cast<uint32_t>(k), static_cast<uint32_t>(E));
-  }
+  if (failed && blockIdx.x == 0 && threadIdx.x == 0) report_failed_plan(errors, key, topk_idx, T, k, E);
   const int64_t total = T * chunks_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -50,19 +45,9 @@ __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, con
     for (int j = 0; j < k; ++j) {
       const int32_t e = topk_idx[t * k + j];
       if (e < 0 || e >= E) continue;
-      const uint4 v = slots[j * slot_plane + i];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(p[q]);
-        acc[2 * q] += f.x;
-        acc[2 * q + 1] += f.y;
-      }
+      add_slot_chunk(acc, slots[j * slot_plane + i]);
     }
-    uint4 o;
-    __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
-    for (int q = 0; q < 4; ++q)
-      po[q] = failed ? __floats2bfloat162_rn(NAN, NAN) : __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    out[i] = o;
+    out[i] = finish_slot_chunk(acc, failed);
   }
 }
 

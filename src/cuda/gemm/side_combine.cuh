@@ -1,0 +1,76 @@
+// GroupedGemmArgs::side_combine: a slot combine (combine_slots' sums, bit for
+// bit: moe/slot_sums.cuh) run by the producer warpgroup's three idle warps of
+// every CTA while the consumers run the GEMM. The combine is memory-bound
+// and the weight-gradient GEMMs compute-bound, so it rides in their shadow
+// instead of taking the GPU for a kernel of its own (dx's combine: 144 us at
+// Qwen3-30B-A3B, 280 at 235B, perf-log session 35). Device code; included by
+// grouped_gemm.cu.
+//
+// Warp w of the grid's 3 x gridDim.x takes tokens begin + w, + 3 gridDim.x, ...:
+// lane j loads route j's expert id once a token, the warp's ballot of the
+// valid ones is the same for all lanes, and the lanes walk the row's 16-byte
+// chunks (32 a step), adding the routes' chunks in route order, kBatch loads
+// in flight a lane: the producer warps have 40 registers (kBatch 2 spills
+// once the prefetches below are in).
+// So that those loads find L2, a token's start asks L2 (prefetch.global.L2)
+// for every slot line of the warp's next token (top_k rows, 128-byte lines,
+// the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
+// DRAM latency, and no register stays live for it in the chunk loop.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/moe/slot_sums.cuh"
+#include "cuda/ptx/sm90.cuh"
+
+namespace megamoe::cuda::engine {
+
+using ptx::prefetch_l2;
+
+template <int kBatch>
+__device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideCombine& s, const DeviceErrorSink& errors) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * 3 + (threadIdx.x / 32 - 1), warps = 3 * gridDim.x;
+  const unsigned long long key = *s.error_key;
+  const bool failed = key != kNoPlanError;
+  if (failed && s.begin == 0 && blockIdx.x == 0 && threadIdx.x == 32)  // one report for the launches of a combine
+    report_failed_plan(errors, key, s.topk_idx, s.tokens, s.top_k, s.num_experts);
+  const int chunks = static_cast<int>(s.hidden / 8);  // 16-byte chunks a row
+  const int64_t plane = s.slot_tokens * chunks;        // one route's slot rows, in chunks
+  const uint4* slots = static_cast<const uint4*>(s.slots);
+  uint4* out = static_cast<uint4*>(s.out);
+  // The slot lines of token t (all top_k routes) into L2, the lanes in turn.
+  auto prefetch_token = [&](int64_t t) {
+    for (int j = 0; j < s.top_k; ++j)
+      for (int c = lane * 8; c < chunks; c += 32 * 8) prefetch_l2(slots + j * plane + t * chunks + c);
+  };
+  if (s.begin + warp < s.end) prefetch_token(s.begin + warp);
+  for (int64_t t = s.begin + warp; t < s.end; t += warps) {
+    if (t + warps < s.end) prefetch_token(t + warps);
+    const int32_t id = lane < s.top_k ? s.topk_idx[t * s.top_k + lane] : -1;
+    const uint32_t valid = __ballot_sync(0xffffffffu, id >= 0 && id < s.num_experts);
+    const uint4* row = slots + t * chunks;
+    for (int c = lane; c < chunks; c += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (uint32_t left = valid; left != 0;) {  // up to kBatch routes at once, in j order
+        uint4 v[kBatch];
+        int n = 0;
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          if (left == 0) break;
+          const int j = __ffs(static_cast<int>(left)) - 1;
+          left &= left - 1;
+          v[q] = row[j * plane + c];
+          n = q + 1;
+        }
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q)
+          if (q < n) add_slot_chunk(acc, v[q]);
+      }
+      out[t * chunks + c] = finish_slot_chunk(acc, failed);
+    }
+  }
+}
+
+}  // namespace megamoe::cuda::engine
