@@ -186,9 +186,12 @@ struct RowGather {
       if (chunk == i) pf_off = off[i];
     return (valid >> chunk) & 1u;
   }
-  // Asks L2 for that row's 128 bytes of k-block kb (the line holding this thread's chunk).
-  __device__ __forceinline__ void prefetch(int kb, uint32_t pf_off) const {
-    prefetch_l2(rows + kb * kBlockK * 2 + static_cast<uint64_t>(pf_off) * 16);
+  // Asks L2 for that row's 128 bytes of k-block kb: one prefetch a 32-byte
+  // sector (what L2 fills on a miss; PTX promises only "the line").
+  __device__ __forceinline__ void prefetch(int kb, uint32_t pf_off, int chunk) const {
+    const char* line = rows - chunk * 16 + kb * kBlockK * 2 + static_cast<uint64_t>(pf_off) * 16;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) prefetch_l2(line + 32 * s);
   }
 };
 
@@ -531,9 +534,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             g.copy(gathered0 + static_cast<uint32_t>(ps.stage() * kStage), kb, off, valid);
             if constexpr (M != GemmMode::kWeightGrad) {  // (M-grouped: every tile has k_blocks)
               if (kb + pf < tile.k_blocks) {
-                if (pf_valid) g.prefetch(kb + pf, pf_off);
+                if (pf_valid) g.prefetch(kb + pf, pf_off, chunk);
               } else if (pf_next_valid && kb + pf < 2 * tile.k_blocks) {
-                g.prefetch(kb + pf - tile.k_blocks, pf_next_off);
+                g.prefetch(kb + pf - tile.k_blocks, pf_next_off, chunk);
               }
             }
             cp_async_arrive_noinc(at.full_at(ps.stage()));

@@ -13,8 +13,8 @@
 // in flight a lane: the producer warps have 40 registers (kBatch 2 spills
 // once the prefetches below are in).
 // So that those loads find L2, a token's start asks L2 (prefetch.global.L2)
-// for every slot line of the warp's next token (top_k rows, 128-byte lines,
-// the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
+// for every slot sector of the warp's next token (top_k rows, 32 bytes a
+// prefetch, the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
 // DRAM latency, and no register stays live for it in the chunk loop.
 #pragma once
 
@@ -40,10 +40,11 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
   const int64_t plane = s.slot_tokens * chunks;        // one route's slot rows, in chunks
   const uint4* slots = static_cast<const uint4*>(s.slots);
   uint4* out = static_cast<uint4*>(s.out);
-  // The slot lines of token t (all top_k routes) into L2, the lanes in turn.
+  // The slot rows of token t (all top_k routes) into L2, one prefetch a
+  // 32-byte sector (what L2 fills on a miss), the lanes in turn.
   auto prefetch_token = [&](int64_t t) {
     for (int j = 0; j < s.top_k; ++j)
-      for (int c = lane * 8; c < chunks; c += 32 * 8) prefetch_l2(slots + j * plane + t * chunks + c);
+      for (int c = lane * 2; c < chunks; c += 32 * 2) prefetch_l2(slots + j * plane + t * chunks + c);
   };
   if (s.begin + warp < s.end) prefetch_token(s.begin + warp);
   for (int64_t t = s.begin + warp; t < s.end; t += warps) {

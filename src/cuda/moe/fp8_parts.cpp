@@ -13,6 +13,7 @@ Fp8Scale scale_of(const LayerCall& call) { return fp8_scale_of(call.dims); }
 // g's operands become e4m3: A (with its row scales) and B (with its block scales).
 void use_fp8(GroupedGemmArgs& g, const uint8_t* a, const float* a_scales, const uint8_t* b, const float* b_scales) {
   g.fp8 = true;
+  if (g.mode != GemmMode::kWeightGrad) g.rows_first = prefers_rows_first(g.plan, g.b_rows, g.b_cols, 1);  // e4m3
   g.a = a, g.a_scales = a_scales;
   g.b = b, g.b_scales = b_scales;
 }

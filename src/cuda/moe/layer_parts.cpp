@@ -106,10 +106,14 @@ constexpr bool kRowsFirst = true;
 constexpr bool kRowsFirst = false;
 #endif
 
+bool prefers_rows_first(const DevicePlan& plan, int64_t b_rows, int64_t b_cols, int elem_bytes) {
+  return kRowsFirst && plan.num_experts > 0 && b_rows / plan.num_experts * b_cols * elem_bytes > kRowsFirstWeightBytes;
+}
+
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n) {
   GroupedGemmArgs g;
-  g.rows_first = kRowsFirst && plan.num_experts > 0 && b_rows / plan.num_experts * b_cols * 2 > kRowsFirstWeightBytes;
+  g.rows_first = prefers_rows_first(plan, b_rows, b_cols, 2);  // bf16 weights (use_fp8 decides again for e4m3)
   g.mode = mode;
   g.plan = plan;
   g.n = n;

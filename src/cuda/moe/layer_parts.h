@@ -43,6 +43,11 @@ int sm_count(int device);
 
 DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
 
+// Whether an M-grouped GEMM walks its experts' tiles rows first
+// (GroupedGemmArgs::rows_first): weights of elem_bytes a value over 32 MB an
+// expert, and only when built with -DMEGAMOE_ROWS_FIRST=ON.
+bool prefers_rows_first(const DevicePlan& plan, int64_t b_rows, int64_t b_cols, int elem_bytes);
+
 // An M-grouped GEMM over the pool: A = pool [C, k], B = stacked expert weights [b_rows, b_cols].
 GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan& plan, int64_t capacity,
                           const void* a, int64_t k, const void* b, int64_t b_rows, int64_t b_cols, int64_t n);
