@@ -1142,6 +1142,46 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
   }
 }
 
+// GroupedGemmArgs::side_gather: a pool gathered by a kGateUpGrad or
+// kWeightGrad launch's idle warps has gather_rows' bytes (padding rows
+// zero, rows past the plan's untouched), and the GEMM's own output is as
+// without it; other kernels refuse it.
+TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
+  Mat tok, pool;
+  random_mat(tok, T, H, 1.0, 41);
+  pool.make(C, H);
+  auto with_side = [&](cuda::GroupedGemmArgs a) {
+    cuda::GroupedGemmArgs::SideGather& s = a.side_gather;
+    s.src = tok.dev.view().data, s.width = H, s.row_src = plan.row_src, s.top_k = k;
+    s.pool_rows = plan.pool_rows, s.pool = pool.dev.view().data;
+    return a;
+  };
+  auto gather = [&] {
+    MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
+                                        pool.dev.view().data, nullptr));
+  };
+  Mat dz, w13, slots;
+  const cuda::GroupedGemmArgs gx = gate_up_grad_problem(dz, w13, slots, H);
+  Mat pa, pb;
+  random_pool(pa, H, 1);
+  random_pool(pb, I, 2);
+  DeviceTensor out;
+  const cuda::GroupedGemmArgs gw = weight_grad_problem(pa, pb, out);
+  const Outputs gx_out = {slots.bytes()}, gw_out = {{out.view().data, static_cast<size_t>(E * H * I * 4)}};
+  for (const bool wgrad : {false, true}) {
+    const cuda::GroupedGemmArgs host = wgrad ? gw : gx;
+    const std::string what = wgrad ? "kWeightGrad" : "kGateUpGrad";
+    expect_same_bytes({pool.bytes()}, gather, [&] { run(with_side(host)); }, ("the pool, in " + what).c_str());
+    expect_same_bytes(wgrad ? gw_out : gx_out, [&] { run(host); }, [&] { run(with_side(host)); },
+                      ("the GEMM's output beside the side job, " + what).c_str());
+  }
+  Mat a, w2, slots2;
+  const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a, w2, slots2)), sms, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("side_gather"), std::string::npos) << st.to_string();
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
+}
+
 // bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a
 // tile, N = 256 and 512, into fp32, fp32 += and bf16: every output bit for
 // bit, and the wide result against the CPU.

@@ -26,7 +26,7 @@
 #include "cuda/gemm/epilogues.cuh"
 #include "cuda/gemm/pipeline.cuh"
 #include "cuda/gemm/route_division.h"
-#include "cuda/gemm/side_combine.cuh"
+#include "cuda/gemm/side_jobs.cuh"
 #include "cuda/gemm/tensor_map.h"
 #include "cuda/gemm/tile_scheduler.cuh"
 #include "cuda/ptx/sm90.cuh"
@@ -570,10 +570,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int s = 0; s < S; ++s, ++ps)
           if (!ring.wait_empty(waits, ps)) return;
     }
-    // Warps 1-3 (idle in these kernels): the side job, if any (bf16 kWeightGrad
-    // only: in kDownGrad's kernels its registers made ptxas spill).
-    if constexpr (M == GemmMode::kWeightGrad && !kFp8 && kGather == kGatherNone)
-      if (threadIdx.x >= 32 && p.args.side_combine.out != nullptr) run_side_combine<1>(p.args.side_combine, p.args.errors);
+    // Warps 1-3 (idle in these kernels): the side jobs, if any (side_jobs.cuh).
+    // bf16 without gathers; the combine in kWeightGrad only (in kDownGrad's
+    // kernels its registers made ptxas spill), the gather in kGateUpGrad too.
+    if constexpr (!kFp8 && kGather == kGatherNone && (M == GemmMode::kWeightGrad || M == GemmMode::kGateUpGrad)) {
+      if (threadIdx.x >= 32) {
+        if (p.args.side_gather.pool != nullptr) run_side_gather(p.args.side_gather);
+        if constexpr (M == GemmMode::kWeightGrad)
+          if (p.args.side_combine.out != nullptr) run_side_combine<1>(p.args.side_combine, p.args.errors);
+      }
+    }
     return;
   }
 
@@ -859,6 +865,17 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       return invalid_argument("grouped GEMM: side_combine needs slots, topk_idx and error_key, 0 <= begin <= end <= "
                               "tokens <= slot_tokens, top_k 1..32, num_experts >= 1 and hidden a positive multiple "
                               "of 8");
+  }
+  if (args.side_gather.pool != nullptr) {
+    const GroupedGemmArgs::SideGather& s = args.side_gather;
+    if ((args.mode != GemmMode::kWeightGrad && args.mode != GemmMode::kGateUpGrad) || args.fp8 ||
+        args.gather != Gather::kNone)
+      return invalid_argument("grouped GEMM: side_gather runs in the bf16 kGateUpGrad and kWeightGrad kernels that "
+                              "do not gather rows");
+    if (s.src == nullptr || s.row_src == nullptr || s.pool_rows == nullptr || s.top_k < 1 || s.width <= 0 ||
+        s.width % 8 != 0 || s.width / 8 > INT32_MAX)
+      return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "
+                              "positive multiple of 8");
   }
   // rows_first reorders the M-grouped modes' tiles; held tiles (rows_ready) keep pool order, in which their rows
   // arrive.

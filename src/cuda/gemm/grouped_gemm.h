@@ -177,9 +177,9 @@ struct GroupedGemmArgs {
   // t's valid routes j of slots[j][t] (combine_slots' arithmetic, bit for
   // bit), every row NaN when error_key says the plan failed (reported by the
   // launch with begin 0). None when out is null. The layer's dx combine
-  // rides in dW2 (its first third of the tokens) and dW13 (the rest) with
-  // -DMEGAMOE_SIDE_COMBINE=ON (session 35, not yet measured).
-  struct SideCombine {
+  // rides in dW13 with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet
+  // measured).
+  struct SideCombine {  // (tokens [begin, end): a combine may be split over launches)
     const void* slots = nullptr;  // [top_k][slot_tokens][hidden] bf16
     int64_t slot_tokens = 0;      // rows of one route's slot plane (>= tokens)
     const int32_t* topk_idx = nullptr;  // [tokens, top_k]
@@ -191,6 +191,21 @@ struct GroupedGemmArgs {
     void* out = nullptr;  // [tokens][hidden] bf16
   };
   SideCombine side_combine;
+  // A side job (bf16 kGateUpGrad or kWeightGrad, rows not gathered): the
+  // idle producer warps copy token rows into a pool as gather_rows does
+  // (pool row r = src row row_src[r] / top_k, zeros where row_src is -1, rows
+  // [0, *pool_rows)) while the GEMM runs, which must neither read nor write
+  // the pool. None when pool is null. The layer gathers x for dW13 in
+  // kGateUpGrad with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured).
+  struct SideGather {
+    const void* src = nullptr;  // [tokens][width] bf16
+    int64_t width = 0;          // a multiple of 8
+    const int32_t* row_src = nullptr;   // the plan's
+    int top_k = 0;
+    const int32_t* pool_rows = nullptr;  // the plan's (device)
+    void* pool = nullptr;                // [capacity][width] bf16
+  };
+  SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,
   // no row holds, rows pooled or A gathered): each consumer's z chunk is a
   // column half of its 64 rows. Bitwise the 128 x 128 tiles' result (GPU

@@ -59,27 +59,41 @@ constexpr bool kGatherRows = false;
 #endif
 bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
-// The bf16 backward's dx combine rides in dW2's and dW13's idle producer
-// warps (GroupedGemmArgs::side_combine) instead of a kernel of its own: an
-// experiment, only when built with -DMEGAMOE_SIDE_COMBINE=ON (session 35,
-// not yet measured). dW2 takes the first third of the tokens (it runs about
-// half as long as dW13).
-#ifdef MEGAMOE_SIDE_COMBINE
-constexpr bool kSideCombine = true;
+// The bf16 backward's memory-bound steps as side jobs of its GEMMs (the
+// idle producer warps: GroupedGemmArgs::side_gather, side_combine) instead
+// of kernels of their own: an experiment, only when built with
+// -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured). The order changes
+// so that x's pool can be gathered while a GEMM runs: kDownGrad, dW2 (the
+// last reader of dy's pool), kGateUpGrad gathering x into the pool, dW13
+// combining dx from kGateUpGrad's slots.
+#ifdef MEGAMOE_SIDE_JOBS
+constexpr bool kSideJobs = true;
 #else
-constexpr bool kSideCombine = false;
+constexpr bool kSideJobs = false;
 #endif
-bool combines_on_the_side(const LayerDims& d) { return kSideCombine && !fp8_backward(d) && !gathers_rows(d); }
+bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
-// dx's combine of tokens [begin, end) as g's side job.
-void combine_on_the_side(GroupedGemmArgs& g, const Carved& c, const LayerInputs& in, const LayerDims& d, void* dx,
-                         int64_t begin, int64_t end) {
-  GroupedGemmArgs::SideCombine& s = g.side_combine;
-  s.slots = c.slots, s.slot_tokens = d.tokens;
-  s.topk_idx = in.topk_idx, s.tokens = d.tokens, s.begin = begin, s.end = end;
-  s.top_k = d.top_k, s.num_experts = d.num_experts, s.hidden = d.hidden;
-  s.error_key = c.pv.plan.error_key;
-  s.out = dx;
+Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
+                               const LayerGrads& grads, int sms) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
+  MEGAMOE_RETURN_IF_ERROR(
+      detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
+      detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
+  GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
+  GroupedGemmArgs::SideGather& xg = gx.side_gather;  // x into the pool dW2 has finished with
+  xg.src = in.x, xg.width = H, xg.row_src = c.pv.plan.row_src, xg.top_k = d.top_k;
+  xg.pool_rows = plan.pool_rows, xg.pool = c.xdy_pool;
+  MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
+  GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads);
+  GroupedGemmArgs::SideCombine& dx = dw13.side_combine;  // dx from kGateUpGrad's slots
+  dx.slots = c.slots, dx.slot_tokens = d.tokens;
+  dx.topk_idx = in.topk_idx, dx.tokens = d.tokens, dx.begin = 0, dx.end = d.tokens;
+  dx.top_k = d.top_k, dx.num_experts = d.num_experts, dx.hidden = H;
+  dx.error_key = c.pv.plan.error_key;
+  dx.out = grads.dx;
+  return launch_grouped_gemm(dw13, sms, call.stream);
 }
 
 // `rows` (the token rows [T, cols]) as g's gathered operand `which`.
@@ -206,6 +220,10 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
   // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
+  if (side_jobs(d)) {  // the experiment above: dy's pool, then four GEMMs with x's gather and dx's combine aboard
+    MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+    return backward_with_side_jobs(call, plan, c, in, grads, sms);
+  }
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
         fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
@@ -217,10 +235,9 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
                                                     grads.d_topk_weights, sms, nullptr,
                                                     gathers_rows(d) ? dy : nullptr));
   }
-  // dx: the fixed-order sum of its slots (or in the weight gradients' idle warps: combines_on_the_side).
-  if (!combines_on_the_side(d))
-    MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
-                                          call.errors, grads.dx, call.stream));
+  // dx: the fixed-order sum of its slots.
+  MEGAMOE_RETURN_IF_ERROR(combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key,
+                                        call.errors, grads.dx, call.stream));
 
   // dW2[e] = dy^T (w a); then x back into the pool for dW13[e] = dz^T x (FP8:
   // dy^T and x^T straight into e4m3 as dy's and x's token rows are gathered,
@@ -237,16 +254,6 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
     MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
     GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, nullptr, H, grads.dw13, grads);
     gather_in_gemm(dw13, GroupedGemmArgs::Gather::kB, in.x, d);
-    return launch_grouped_gemm(dw13, sms, call.stream);
-  }
-  if (combines_on_the_side(d)) {
-    GroupedGemmArgs dw2 = detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads);
-    combine_on_the_side(dw2, c, in, d, grads.dx, 0, T / 3);
-    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(dw2, sms, call.stream));
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-    GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads);
-    combine_on_the_side(dw13, c, in, d, grads.dx, T / 3, T);
     return launch_grouped_gemm(dw13, sms, call.stream);
   }
   MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,

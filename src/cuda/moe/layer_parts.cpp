@@ -142,9 +142,8 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
   return g;
 }
 
-Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
-                       const float* topk_weights, float* d_topk, int sms,
-                       const GroupedGemmArgs::PeerSlots* dx_peer_slots, const void* dy_tokens) {
+Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -159,12 +158,25 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
   // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
   gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row,
-                                                d.tokens * d.top_k, c.pv.plan.error_key, d_topk, call.stream));
+  return reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row, d.tokens * d.top_k,
+                               c.pv.plan.error_key, d_topk, call.stream);
+}
+
+GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
+                             const GroupedGemmArgs::PeerSlots* dx_peer_slots) {
+  const LayerDims& d = call.dims;
+  const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gx = pool_gemm(GemmMode::kGateUpGrad, call, plan, C, c.dz_pool, 2 * I, w13, E * 2 * I, H, H);
   gx.out0 = c.slots;
   if (dx_peer_slots != nullptr) gx.peer_slots = *dx_peer_slots;
-  return launch_grouped_gemm(gx, sms, call.stream);
+  return gx;
+}
+
+Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
+                       const float* topk_weights, float* d_topk, int sms,
+                       const GroupedGemmArgs::PeerSlots* dx_peer_slots, const void* dy_tokens) {
+  MEGAMOE_RETURN_IF_ERROR(down_grad_gemm(call, plan, c, w2, topk_weights, d_topk, sms, dy_tokens));
+  return launch_grouped_gemm(gate_up_grad(call, plan, c, w13, dx_peer_slots), sms, call.stream);
 }
 
 }  // namespace megamoe::cuda::detail

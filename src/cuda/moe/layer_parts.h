@@ -62,6 +62,11 @@ GroupedGemmArgs pool_gemm(GemmMode mode, const LayerCall& call, const DevicePlan
 Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2, const void* w13,
                        const float* topk_weights, float* d_topk, int sms,
                        const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
+// Its two halves: kDownGrad and the d topk_w reduction; kGateUpGrad's arguments.
+Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr);
+GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
+                             const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
 
 // dW[e] = A_pool^T @ B_pool over each expert's rows (K-grouped).
 GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64_t capacity, const void* a,

@@ -1,10 +1,11 @@
-// GroupedGemmArgs::side_combine: a slot combine (combine_slots' sums, bit for
-// bit: moe/slot_sums.cuh) run by the producer warpgroup's three idle warps of
-// every CTA while the consumers run the GEMM. The combine is memory-bound
-// and the weight-gradient GEMMs compute-bound, so it rides in their shadow
-// instead of taking the GPU for a kernel of its own (dx's combine: 144 us at
-// Qwen3-30B-A3B, 280 at 235B, perf-log session 35). Device code; included by
-// grouped_gemm.cu.
+// Side jobs: memory-bound layer steps run by the producer warpgroup's three
+// idle warps (1-3) of every CTA while the consumers run a compute-bound
+// GEMM, instead of taking the GPU for kernels of their own (perf-log,
+// session 35). Device code; included by grouped_gemm.cu.
+//
+// GroupedGemmArgs::side_combine: a slot combine (combine_slots' sums, bit
+// for bit: moe/slot_sums.cuh; dx's combine: 144 us at Qwen3-30B-A3B, 280 at
+// 235B as a kernel).
 //
 // Warp w of the grid's 3 x gridDim.x takes tokens begin + w, + 3 gridDim.x, ...:
 // lane j loads route j's expert id once a token, the warp's ballot of the
@@ -70,6 +71,39 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
           if (q < n) add_slot_chunk(acc, v[q]);
       }
       out[t * chunks + c] = finish_slot_chunk(acc, failed);
+    }
+  }
+}
+
+// GroupedGemmArgs::side_gather: gather_rows' copy (pool row r = token row
+// row_src[r] / top_k, zeros for a padding row, rows [0, *pool_rows)), a warp
+// a pool row (x's pool for dW13: 255 us at 30B, 533 at 235B as a kernel).
+// The warp looks the next row's source up a row ahead and asks L2 for its
+// sectors, so that the copies' loads find L2.
+__device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * 3 + (threadIdx.x / 32 - 1), warps = 3 * gridDim.x;
+  const int chunks = static_cast<int>(s.width / 8);  // 16-byte chunks a row
+  const int64_t rows = *s.pool_rows;
+  const uint4* src = static_cast<const uint4*>(s.src);
+  uint4* pool = static_cast<uint4*>(s.pool);
+  auto source = [&](int64_t r) -> int64_t {  // the token row of pool row r, -1 for padding
+    const int32_t v = s.row_src[r];
+    return v < 0 ? -1 : v / s.top_k;
+  };
+  int64_t next = warp < rows ? source(warp) : -1;
+  for (int64_t r = warp; r < rows; r += warps) {
+    const int64_t from = next;
+    next = r + warps < rows ? source(r + warps) : -1;
+    if (next >= 0)
+      for (int c = lane * 2; c < chunks; c += 64) prefetch_l2(src + next * chunks + c);
+    uint4* to = pool + r * chunks;
+    if (from < 0) {
+      for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
+    } else {
+      const uint4* in = src + from * chunks;
+#pragma unroll 4
+      for (int c = lane; c < chunks; c += 32) to[c] = in[c];
     }
   }
 }
