@@ -1,5 +1,5 @@
 // The slot combine's arithmetic, shared by combine_slots_kernel
-// (layer_kernels.cu) and the grouped GEMM's side job (gemm/side_combine.cuh),
+// (layer_kernels.cu) and the grouped GEMM's side job (gemm/side_jobs.cuh),
 // so that both give the same bits: a token's 16-byte chunk (8 bf16) is the
 // fp32 sum, in route order j = 0, 1, ..., of its valid routes' slot chunks,
 // rounded to bf16 once; every chunk NaN when the routing plan failed.
