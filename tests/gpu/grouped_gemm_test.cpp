@@ -1115,6 +1115,29 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
     expect_same_bytes(dw, [&] { run(host); }, [&] { run(with_side(host, 0, T)); },
                       (std::string("dW beside the side job") + form).c_str());
   }
+  // Eight routes a token (some dropped) and rows of 45 chunks (lanes idle in
+  // the second step), a combine of its own beside the same GEMM.
+  {
+    const int64_t T8 = 97, H8 = 8 * 45;
+    const int k8 = 8;
+    HostTensor ids8(DType::kI32, {T8, k8});
+    for (int64_t i = 0; i < T8 * k8; ++i)
+      ids8.set(i, (i * 7 + i / k8) % 11 == 0 ? -1.0 : static_cast<double>((i * 5 + 3) % E));
+    DeviceTensor d_ids8(DType::kI32, {T8, k8});
+    ASSERT_TRUE(d_ids8.upload(ids8).ok());
+    Mat slots8, dx8;
+    random_mat(slots8, k8 * T8, H8, 1.0, 32);
+    dx8.make(T8, H8);
+    cuda::GroupedGemmArgs g8 = g;
+    cuda::GroupedGemmArgs::SideCombine& s = g8.side_combine;
+    s.slots = slots8.dev.view().data, s.slot_tokens = T8;
+    s.topk_idx = static_cast<const int32_t*>(d_ids8.view().data), s.tokens = T8, s.begin = 0, s.end = T8;
+    s.top_k = k8, s.num_experts = E, s.hidden = H8, s.error_key = key_p, s.out = dx8.dev.view().data;
+    expect_same_bytes({dx8.bytes()}, [&] {
+      MEGAMOE_ASSERT_OK(cuda::combine_slots(slots8.dev.view().data, s.topk_idx, T8, k8, E, H8, key_p, errors,
+                                            dx8.dev.view().data, nullptr));
+    }, [&] { run(g8); }, "dx, eight routes a token, 45 chunks a row");
+  }
   // A failed plan (route 5's id out of range): every row NaN, the error reported once.
   const unsigned long long failed = (5ull << 2) | cuda::kPlanErrorOutOfRange;
   ASSERT_EQ(cudaMemcpy(key.view().data, &failed, sizeof failed, cudaMemcpyHostToDevice), cudaSuccess);
@@ -1145,7 +1168,8 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
 // GroupedGemmArgs::side_gather: a pool gathered by a kGateUpGrad or
 // kWeightGrad launch's idle warps has gather_rows' bytes (padding rows
 // zero, rows past the plan's untouched), and the GEMM's own output is as
-// without it; other kernels refuse it.
+// without it; kGateUp gathering its own A gives the pooled z and a; other
+// kernels, and kGateUp without the holds, refuse it.
 TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   Mat tok, pool;
   random_mat(tok, T, H, 1.0, 41);
@@ -1175,8 +1199,35 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     expect_same_bytes(wgrad ? gw_out : gx_out, [&] { run(host); }, [&] { run(with_side(host)); },
                       ("the GEMM's output beside the side job, " + what).c_str());
   }
-  Mat a, w2, slots2;
-  const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a, w2, slots2)), sms, nullptr);
+  // kGateUp gathering its own A, its tiles held on the rows' counts: z and a
+  // as from gather_rows' pool (the pool starts as NaN: a tile read before its
+  // rows are in shows), in 128 x 256 and 128 x 128 tiles.
+  Mat x, w13_up, z, a;
+  cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
+  DeviceTensor counts(DType::kI32, {C / 128});
+  auto* counts_p = static_cast<uint32_t*>(counts.view().data);
+  for (const bool narrow : {false, true}) {
+    cuda::GroupedGemmArgs pooled = up, own = up;
+    pooled.narrow_tiles = own.narrow_tiles = narrow;
+    own.side_gather.src = tok.dev.view().data, own.side_gather.width = H, own.side_gather.row_src = plan.row_src;
+    own.side_gather.top_k = k, own.side_gather.pool_rows = plan.pool_rows, own.side_gather.pool = x.dev.view().data;
+    own.side_gather.rows_ready = counts_p, own.rows_ready = counts_p, own.ready_value = 128;
+    expect_same_bytes({z.bytes(), a.bytes()}, [&] {
+      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
+                                          x.dev.view().data, nullptr));
+      run(pooled);
+    }, [&] {
+      ASSERT_TRUE(x.dev.fill_bytes(0xFF).ok());  // NaN rows until gathered
+      ASSERT_TRUE(counts.fill_bytes(0).ok());
+      run(own);
+    }, narrow ? "kGateUp gathering its own A (128 x 128)" : "kGateUp gathering its own A (128 x 256)");
+    cuda::GroupedGemmArgs unheld = own;  // the counts without the holds: refused
+    unheld.rows_ready = nullptr;
+    const Status r = cuda::launch_grouped_gemm(unheld, sms, nullptr);
+    EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << r.to_string();
+  }
+  Mat a2, w2, slots2;
+  const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a2, w2, slots2)), sms, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("side_gather"), std::string::npos) << st.to_string();
   MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));

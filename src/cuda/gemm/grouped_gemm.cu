@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
-  static_assert(!kWide || (!kFp8 && !kPair && !kHoldRows && !kBT),
-                "wide tiles: bf16, B as given, one CTA a tile, no row holds");
+  static_assert(!kWide || (!kFp8 && !kPair && !kBT && (!kHoldRows || M == GemmMode::kGateUp)),
+                "wide tiles: bf16, B as given, one CTA a tile, no row holds but kGateUp's");
   static_assert(kGather == kGatherNone ||
                     (!kFp8 && !kHoldRows &&
                      (kGather == kGatherA ? M == GemmMode::kGateUp || (M == GemmMode::kDownGrad && !kBT) ||
@@ -572,12 +572,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Warps 1-3 (idle in these kernels): the side jobs, if any (side_jobs.cuh).
     // bf16 without gathers; the combine in kWeightGrad only (in kDownGrad's
-    // kernels its registers made ptxas spill), the gather in kGateUpGrad too.
-    if constexpr (!kFp8 && kGather == kGatherNone && (M == GemmMode::kWeightGrad || M == GemmMode::kGateUpGrad)) {
+    // kernels its registers made ptxas spill), the gather in kGateUpGrad and
+    // kGateUp (its own A, the tiles held on its counts) too.
+    if constexpr (!kFp8 && kGather == kGatherNone &&
+                  (M == GemmMode::kWeightGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kGateUp)) {
+      // The side jobs' ballots need whole warps 1-3: none of them may be a producer.
+      static_assert(!kSplitRings && kGather == kGatherNone, "side jobs: warps 1-3 idle");
       if (threadIdx.x >= 32) {
         if (p.args.side_gather.pool != nullptr) run_side_gather(p.args.side_gather);
         if constexpr (M == GemmMode::kWeightGrad)
-          if (p.args.side_combine.out != nullptr) run_side_combine<1>(p.args.side_combine, p.args.errors);
+          if (p.args.side_combine.out != nullptr)
+            run_side_combine<1>(p.args.side_combine, p.args.errors);
       }
     }
     return;
@@ -868,10 +873,18 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   }
   if (args.side_gather.pool != nullptr) {
     const GroupedGemmArgs::SideGather& s = args.side_gather;
-    if ((args.mode != GemmMode::kWeightGrad && args.mode != GemmMode::kGateUpGrad) || args.fp8 ||
-        args.gather != Gather::kNone)
-      return invalid_argument("grouped GEMM: side_gather runs in the bf16 kGateUpGrad and kWeightGrad kernels that "
-                              "do not gather rows");
+    if ((args.mode != GemmMode::kWeightGrad && args.mode != GemmMode::kGateUpGrad && args.mode != GemmMode::kGateUp) ||
+        args.fp8 || args.gather != Gather::kNone)
+      return invalid_argument("grouped GEMM: side_gather runs in the bf16 kGateUp, kGateUpGrad and kWeightGrad "
+                              "kernels that do not gather rows");
+    // kGateUp gathers its own A: its tiles must hold on the gather's counts (and nothing else gathers a GEMM's operand).
+    const bool own_a = args.mode == GemmMode::kGateUp;
+    if (own_a != (s.rows_ready != nullptr) ||
+        (own_a && (s.pool != args.a || args.rows_ready != s.rows_ready || args.ready_value != 128 ||
+                   args.peer_slots.rank_buffers != nullptr)))
+      return invalid_argument("grouped GEMM: side_gather in kGateUp fills its A (pool == a) and counts its rows "
+                              "into rows_ready, which the kernel holds its tiles on (rows_ready the same, ready_value "
+                              "128); elsewhere it has no rows_ready");
     if (s.src == nullptr || s.row_src == nullptr || s.pool_rows == nullptr || s.top_k < 1 || s.width <= 0 ||
         s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "
@@ -960,7 +973,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       (args.gather == Gather::kNone || args.mode == GemmMode::kWeightGrad) && !args.b_k_major && args.n % 256 == 0 &&
                         ((args.mode == GemmMode::kGateUpGrad && args.peer_slots.rank_buffers == nullptr) ||
                          args.mode == GemmMode::kWeightGrad);
-  const bool wide = !args.fp8 && args.rows_ready == nullptr && !args.narrow_tiles &&
+  // (kGateUp gathering its own A, side_gather: wide with row holds.)
+  const bool holds_own_rows = args.mode == GemmMode::kGateUp && args.side_gather.rows_ready != nullptr;
+  const bool wide = !args.fp8 && (args.rows_ready == nullptr || holds_own_rows) && !args.narrow_tiles &&
                     ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
                      (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr) ||
                      wide_bwd || wide_down_grad);
@@ -1022,7 +1037,12 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         return launch_mode<m, false, false, false, true, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
       if (args.fp8) return launch_mode<m, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p, num_sms, stream);
     }
-    // wide: never with FP8, row holds, B K-major; its gathering kernels launched above
+    // wide: never with FP8, B K-major; row holds only in kGateUp gathering its own A (side_gather);
+    // its gathering kernels launched above
+    if constexpr (m == GemmMode::kGateUp)
+      if (wide && args.rows_ready != nullptr)
+        return launch_mode<m, false, true, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
+                                                                      num_sms, stream);
     if (wide)
       return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
                                                                      num_sms, stream);

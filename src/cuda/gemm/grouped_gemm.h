@@ -196,7 +196,8 @@ struct GroupedGemmArgs {
   // (pool row r = src row row_src[r] / top_k, zeros where row_src is -1, rows
   // [0, *pool_rows)) while the GEMM runs, which must neither read nor write
   // the pool. None when pool is null. The layer gathers x for dW13 in
-  // kGateUpGrad with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured).
+  // kGateUpGrad, and the forward's x for kGateUp itself (rows_ready below),
+  // with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured).
   struct SideGather {
     const void* src = nullptr;  // [tokens][width] bf16
     int64_t width = 0;          // a multiple of 8
@@ -204,6 +205,11 @@ struct GroupedGemmArgs {
     int top_k = 0;
     const int32_t* pool_rows = nullptr;  // the plan's (device)
     void* pool = nullptr;                // [capacity][width] bf16
+    // kGateUp gathering its own A: each copied row counts into
+    // rows_ready[row / 128] (released), the kernel's rows_ready with
+    // ready_value 128, zeroed before the launch; the tiles hold until their
+    // 128 rows are in (wide tiles allowed). Null elsewhere.
+    uint32_t* rows_ready = nullptr;
   };
   SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,

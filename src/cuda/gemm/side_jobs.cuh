@@ -79,31 +79,41 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
 // row_src[r] / top_k, zeros for a padding row, rows [0, *pool_rows)), a warp
 // a pool row (x's pool for dW13: 255 us at 30B, 533 at 235B as a kernel).
 // The warp looks the next row's source up a row ahead and asks L2 for its
-// sectors, so that the copies' loads find L2.
+// sectors, so that the copies' loads find L2. With rows_ready (kGateUp
+// gathering its own A) each row is counted once in, and warp w's first row
+// is row w: the first row tiles come in first, as the tiles want them.
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
+  // 32-bit rows (pool and token rows are ints): the producer warps have 40 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * 3 + (threadIdx.x / 32 - 1), warps = 3 * gridDim.x;
+  const int warp = static_cast<int>(blockIdx.x) * 3 + static_cast<int>(threadIdx.x / 32) - 1;
+  const int warps = 3 * static_cast<int>(gridDim.x);
   const int chunks = static_cast<int>(s.width / 8);  // 16-byte chunks a row
-  const int64_t rows = *s.pool_rows;
-  const uint4* src = static_cast<const uint4*>(s.src);
-  uint4* pool = static_cast<uint4*>(s.pool);
-  auto source = [&](int64_t r) -> int64_t {  // the token row of pool row r, -1 for padding
+  const int rows = *s.pool_rows;
+  auto source = [&](int r) {  // the token row of pool row r, -1 for padding
     const int32_t v = s.row_src[r];
     return v < 0 ? -1 : v / s.top_k;
   };
-  int64_t next = warp < rows ? source(warp) : -1;
-  for (int64_t r = warp; r < rows; r += warps) {
-    const int64_t from = next;
+  int next = warp < rows ? source(warp) : -1;
+  for (int r = warp; r < rows; r += warps) {
+    const int from = next;
     next = r + warps < rows ? source(r + warps) : -1;
     if (next >= 0)
-      for (int c = lane * 2; c < chunks; c += 64) prefetch_l2(src + next * chunks + c);
-    uint4* to = pool + r * chunks;
+      for (int c = lane * 2; c < chunks; c += 64)
+        prefetch_l2(static_cast<const uint4*>(s.src) + static_cast<int64_t>(next) * chunks + c);
+    uint4* to = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
     if (from < 0) {
       for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
     } else {
-      const uint4* in = src + from * chunks;
+      const uint4* in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
 #pragma unroll 4
       for (int c = lane; c < chunks; c += 32) to[c] = in[c];
+    }
+    if (s.rows_ready != nullptr) {  // the row is in: the warp's stores, then the count (a release)
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        atomicAdd(s.rows_ready + (r >> 7), 1u);
+      }
     }
   }
 }
