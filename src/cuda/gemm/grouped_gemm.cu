@@ -812,6 +812,16 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     }
     cfg.gridDim = dim3(2 * std::min(pairs, num_sms / 2));
   }
+  cudaLaunchAttribute cooperative{};
+  if (!kPair && params.args.side_gather.rows_ready != nullptr) {
+    // Tiles wait for rows that the grid's own warps gather (kGateUp's side
+    // gather): every CTA must run at once, also beside other streams' kernels
+    // (a cooperative launch; one that cannot fit fails instead of waiting).
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    cfg.attrs = &cooperative;
+    cfg.numAttrs = 1;
+  }
   err = cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_z, map_out0, map_out1, params);
   return cuda_status("grouped GEMM launch", err);
 }

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "cuda/common/cuda_status.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/fp8_parts.h"
@@ -102,20 +103,31 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
   g.gather = which, g.gather_tokens = d.tokens;
 }
 
-// x gathered into the pool (or by the GEMM: gathers_rows), then GEMM1 +
-// SwiGLU in the forward's precision: z into z_pool, a into a_pool (either
-// may be null). FP8 quantises the token rows as it scatters them into the
-// pool (no bf16 x pool).
+// x gathered into the pool (or by the GEMM: gathers_rows; or by its idle
+// producer warps, its tiles held on the rows' counts: the side-jobs
+// experiment), then GEMM1 + SwiGLU in the forward's precision: z into
+// z_pool, a into a_pool (either may be null). FP8 quantises the token rows
+// as it scatters them into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  if (!gathers_rows(d))
+  const bool own_gather = kSideJobs && !gathers_rows(d);
+  if (!gathers_rows(d) && !own_gather)
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
   if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
+  if (own_gather) {  // the row tiles' counts in dw_partial (the backward's; free until kDownGrad), zeroed
+    auto* counts = reinterpret_cast<uint32_t*>(c.dw_partial);
+    const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, call.stream);
+    if (err != cudaSuccess) return cuda_status("gate_up: zero the row tiles' counts", err);
+    GroupedGemmArgs::SideGather& s = g.side_gather;
+    s.src = x, s.width = d.hidden, s.row_src = plan.row_src, s.top_k = d.top_k;
+    s.pool_rows = plan.pool_rows, s.pool = c.xdy_pool, s.rows_ready = counts;
+    g.rows_ready = counts, g.ready_value = 128;
+  }
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);
 }
