@@ -1168,8 +1168,8 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
 // GroupedGemmArgs::side_gather: a pool gathered by a kGateUpGrad or
 // kWeightGrad launch's idle warps has gather_rows' bytes (padding rows
 // zero, rows past the plan's untouched), and the GEMM's own output is as
-// without it; kGateUp gathering its own A gives the pooled z and a; other
-// kernels, and kGateUp without the holds, refuse it.
+// without it; kGateUp and kDownGrad gathering their own A give the pooled
+// results; kDown, and kGateUp without the holds, refuse it.
 TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   Mat tok, pool;
   random_mat(tok, T, H, 1.0, 41);
@@ -1225,6 +1225,26 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     unheld.rows_ready = nullptr;
     const Status r = cuda::launch_grouped_gemm(unheld, sms, nullptr);
     EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << r.to_string();
+  }
+  // kDownGrad gathering its own A (dy) the same way: dz, w a and the d topk_w partials.
+  {
+    Mat dy, w2g, zg, dz2, wa;
+    DeviceTensor dw_partial;
+    const cuda::GroupedGemmArgs pooled = down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial);
+    cuda::GroupedGemmArgs own = pooled;
+    own.side_gather.src = tok.dev.view().data, own.side_gather.width = H, own.side_gather.row_src = plan.row_src;
+    own.side_gather.top_k = k, own.side_gather.pool_rows = plan.pool_rows, own.side_gather.pool = dy.dev.view().data;
+    own.side_gather.rows_ready = counts_p, own.rows_ready = counts_p, own.ready_value = 128;
+    const Outputs outs = {dz2.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
+    expect_same_bytes(outs, [&] {
+      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
+                                          dy.dev.view().data, nullptr));
+      run(pooled);
+    }, [&] {
+      ASSERT_TRUE(dy.dev.fill_bytes(0xFF).ok());  // NaN rows until gathered
+      ASSERT_TRUE(counts.fill_bytes(0).ok());
+      run(own);
+    }, "kDownGrad gathering its own A");
   }
   Mat a2, w2, slots2;
   const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a2, w2, slots2)), sms, nullptr);

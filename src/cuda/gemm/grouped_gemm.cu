@@ -572,10 +572,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Warps 1-3 (idle in these kernels): the side jobs, if any (side_jobs.cuh).
     // bf16 without gathers; the combine in kWeightGrad only (in kDownGrad's
-    // kernels its registers made ptxas spill), the gather in kGateUpGrad and
-    // kGateUp (its own A, the tiles held on its counts) too.
-    if constexpr (!kFp8 && kGather == kGatherNone &&
-                  (M == GemmMode::kWeightGrad || M == GemmMode::kGateUpGrad || M == GemmMode::kGateUp)) {
+    // kernels its registers made ptxas spill), the gather in every mode but
+    // kDown (kGateUp and kDownGrad: their own A, the tiles held on its counts).
+    if constexpr (!kFp8 && kGather == kGatherNone && M != GemmMode::kDown) {
       // The side jobs' ballots need whole warps 1-3: none of them may be a producer.
       static_assert(!kSplitRings && kGather == kGatherNone, "side jobs: warps 1-3 idle");
       if (threadIdx.x >= 32) {
@@ -883,18 +882,18 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   }
   if (args.side_gather.pool != nullptr) {
     const GroupedGemmArgs::SideGather& s = args.side_gather;
-    if ((args.mode != GemmMode::kWeightGrad && args.mode != GemmMode::kGateUpGrad && args.mode != GemmMode::kGateUp) ||
-        args.fp8 || args.gather != Gather::kNone)
-      return invalid_argument("grouped GEMM: side_gather runs in the bf16 kGateUp, kGateUpGrad and kWeightGrad "
-                              "kernels that do not gather rows");
-    // kGateUp gathers its own A: its tiles must hold on the gather's counts (and nothing else gathers a GEMM's operand).
-    const bool own_a = args.mode == GemmMode::kGateUp;
+    if (args.mode == GemmMode::kDown || args.fp8 || args.gather != Gather::kNone)
+      return invalid_argument("grouped GEMM: side_gather runs in the bf16 kGateUp, kDownGrad, kGateUpGrad and "
+                              "kWeightGrad kernels that do not gather rows");
+    // kGateUp and kDownGrad gather their own A: their tiles must hold on the gather's counts (and nothing else
+    // gathers a GEMM's operand).
+    const bool own_a = args.mode == GemmMode::kGateUp || args.mode == GemmMode::kDownGrad;
     if (own_a != (s.rows_ready != nullptr) ||
         (own_a && (s.pool != args.a || args.rows_ready != s.rows_ready || args.ready_value != 128 ||
                    args.peer_slots.rank_buffers != nullptr)))
-      return invalid_argument("grouped GEMM: side_gather in kGateUp fills its A (pool == a) and counts its rows "
-                              "into rows_ready, which the kernel holds its tiles on (rows_ready the same, ready_value "
-                              "128); elsewhere it has no rows_ready");
+      return invalid_argument("grouped GEMM: side_gather in kGateUp and kDownGrad fills their A (pool == a) and "
+                              "counts its rows into rows_ready, which the kernel holds its tiles on (rows_ready the "
+                              "same, ready_value 128); elsewhere it has no rows_ready");
     if (s.src == nullptr || s.row_src == nullptr || s.pool_rows == nullptr || s.top_k < 1 || s.width <= 0 ||
         s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "

@@ -60,13 +60,13 @@ constexpr bool kGatherRows = false;
 #endif
 bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
-// The bf16 backward's memory-bound steps as side jobs of its GEMMs (the
-// idle producer warps: GroupedGemmArgs::side_gather, side_combine) instead
-// of kernels of their own: an experiment, only when built with
-// -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured). The order changes
-// so that x's pool can be gathered while a GEMM runs: kDownGrad, dW2 (the
-// last reader of dy's pool), kGateUpGrad gathering x into the pool, dW13
-// combining dx from kGateUpGrad's slots.
+// The bf16 layer's memory-bound steps as side jobs of its GEMMs (the idle
+// producer warps: GroupedGemmArgs::side_gather, side_combine) instead of
+// kernels of their own: an experiment, only when built with
+// -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured). The forward's
+// kGateUp gathers x itself (gate_up); the backward runs kDownGrad gathering
+// dy itself, dW2 (the last reader of dy's pool), kGateUpGrad gathering x
+// into the pool, dW13 combining dx from kGateUpGrad's slots.
 #ifdef MEGAMOE_SIDE_JOBS
 constexpr bool kSideJobs = true;
 #else
@@ -75,11 +75,18 @@ constexpr bool kSideJobs = false;
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
-                               const LayerGrads& grads, int sms) {
+                               const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  MEGAMOE_RETURN_IF_ERROR(
-      detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
+  // dy's row tiles counted in the slots' first bytes (the slots are free until kGateUpGrad writes dx's rows).
+  auto* counts = static_cast<uint32_t*>(c.slots);
+  const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(C / 128) * 4, call.stream);
+  if (err != cudaSuccess) return cuda_status("layer backward: zero dy's row tile counts", err);
+  GroupedGemmArgs::SideGather dy_gather;
+  dy_gather.src = dy, dy_gather.width = H, dy_gather.row_src = c.pv.plan.row_src, dy_gather.top_k = d.top_k;
+  dy_gather.pool_rows = plan.pool_rows, dy_gather.pool = c.xdy_pool, dy_gather.rows_ready = counts;
+  MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
+                                                 nullptr, &dy_gather));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
@@ -232,10 +239,8 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
   // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
-  if (side_jobs(d)) {  // the experiment above: dy's pool, then four GEMMs with x's gather and dx's combine aboard
-    MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-    return backward_with_side_jobs(call, plan, c, in, grads, sms);
-  }
+  if (side_jobs(d))  // the experiment above: four GEMMs with the gathers and dx's combine aboard
+    return backward_with_side_jobs(call, plan, c, in, dy, grads, sms);
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
         fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));

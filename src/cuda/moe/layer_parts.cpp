@@ -143,7 +143,8 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
 }
 
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens) {
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens,
+                      const GroupedGemmArgs::SideGather* own_gather) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -157,6 +158,7 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
   // 13% (30B) and 3% (235B) slower than 128 x 128; gathering, 8% and 25%
   // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
   gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
+  if (own_gather != nullptr) gd.side_gather = *own_gather, gd.rows_ready = own_gather->rows_ready, gd.ready_value = 128;
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   return reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row, d.tokens * d.top_k,
                                c.pv.plan.error_key, d_topk, call.stream);

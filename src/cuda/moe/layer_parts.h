@@ -63,8 +63,11 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                        const float* topk_weights, float* d_topk, int sms,
                        const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
 // Its two halves: kDownGrad and the d topk_w reduction; kGateUpGrad's arguments.
+// own_gather: kDownGrad gathers dy into c.xdy_pool itself (GroupedGemmArgs::side_gather,
+// its rows_ready zeroed by the caller), its tiles held on the rows' counts.
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr);
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr,
+                      const GroupedGemmArgs::SideGather* own_gather = nullptr);
 GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
                              const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
 
