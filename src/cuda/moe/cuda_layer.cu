@@ -74,19 +74,30 @@ constexpr bool kSideJobs = false;
 #endif
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
+// The row tiles' counts of a GEMM gathering its own A (u32 [C / 128]) in a
+// region free at that time, `bytes` long: null when they do not fit (tiny
+// shapes), and the caller gathers with gather_rows instead.
+uint32_t* row_tile_counts(void* region, int64_t bytes, int64_t capacity) {
+  return capacity / 128 * 4 <= bytes ? static_cast<uint32_t*>(region) : nullptr;
+}
+
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
   // dy's row tiles counted in the slots' first bytes (the slots are free until kGateUpGrad writes dx's rows).
-  auto* counts = static_cast<uint32_t*>(c.slots);
-  const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(C / 128) * 4, call.stream);
-  if (err != cudaSuccess) return cuda_status("layer backward: zero dy's row tile counts", err);
+  uint32_t* counts = row_tile_counts(c.slots, int64_t{d.top_k} * d.tokens * H * 2, C);
   GroupedGemmArgs::SideGather dy_gather;
-  dy_gather.src = dy, dy_gather.width = H, dy_gather.row_src = c.pv.plan.row_src, dy_gather.top_k = d.top_k;
-  dy_gather.pool_rows = plan.pool_rows, dy_gather.pool = c.xdy_pool, dy_gather.rows_ready = counts;
+  if (counts != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(C / 128) * 4, call.stream);
+    if (err != cudaSuccess) return cuda_status("layer backward: zero dy's row tile counts", err);
+    dy_gather.src = dy, dy_gather.width = H, dy_gather.row_src = c.pv.plan.row_src, dy_gather.top_k = d.top_k;
+    dy_gather.pool_rows = plan.pool_rows, dy_gather.pool = c.xdy_pool, dy_gather.rows_ready = counts;
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  }
   MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
-                                                 nullptr, &dy_gather));
+                                                 nullptr, counts != nullptr ? &dy_gather : nullptr));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
@@ -119,15 +130,18 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  const bool own_gather = kSideJobs && !gathers_rows(d);
+  // (counts in dw_partial: the backward's, free until kDownGrad)
+  uint32_t* counts = kSideJobs && !gathers_rows(d)
+                         ? row_tile_counts(c.dw_partial, c.capacity * (d.intermediate / 128) * 4, c.capacity)
+                         : nullptr;
+  const bool own_gather = counts != nullptr;
   if (!gathers_rows(d) && !own_gather)
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
   if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
-  if (own_gather) {  // the row tiles' counts in dw_partial (the backward's; free until kDownGrad), zeroed
-    auto* counts = reinterpret_cast<uint32_t*>(c.dw_partial);
+  if (own_gather) {  // the row tiles' counts, zeroed
     const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, call.stream);
     if (err != cudaSuccess) return cuda_status("gate_up: zero the row tiles' counts", err);
     GroupedGemmArgs::SideGather& s = g.side_gather;
