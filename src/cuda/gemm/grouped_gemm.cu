@@ -880,6 +880,8 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                               "tokens <= slot_tokens, top_k 1..32, num_experts >= 1 and hidden a positive multiple "
                               "of 8");
   }
+  if (args.side_gather.pool == nullptr && args.side_gather.rows_ready != nullptr)
+    return invalid_argument("grouped GEMM: side_gather.rows_ready without a side gather (pool is null)");
   if (args.side_gather.pool != nullptr) {
     const GroupedGemmArgs::SideGather& s = args.side_gather;
     if (args.mode == GemmMode::kDown || args.fp8 || args.gather != Gather::kNone)
@@ -890,10 +892,11 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     const bool own_a = args.mode == GemmMode::kGateUp || args.mode == GemmMode::kDownGrad;
     if (own_a != (s.rows_ready != nullptr) ||
         (own_a && (s.pool != args.a || args.rows_ready != s.rows_ready || args.ready_value != 128 ||
-                   args.peer_slots.rank_buffers != nullptr)))
-      return invalid_argument("grouped GEMM: side_gather in kGateUp and kDownGrad fills their A (pool == a) and "
-                              "counts its rows into rows_ready, which the kernel holds its tiles on (rows_ready the "
-                              "same, ready_value 128); elsewhere it has no rows_ready");
+                   args.peer_slots.rank_buffers != nullptr || s.pool_rows != args.plan.pool_rows ||
+                   s.row_src != args.plan.row_src || s.top_k != args.plan.top_k || s.width != args.a_cols)))
+      return invalid_argument("grouped GEMM: side_gather in kGateUp and kDownGrad fills their A (pool == a, the "
+                              "plan's rows, width a_cols) and counts its rows into rows_ready, which the kernel holds "
+                              "its tiles on (rows_ready the same, ready_value 128); elsewhere it has no rows_ready");
     if (s.src == nullptr || s.row_src == nullptr || s.pool_rows == nullptr || s.top_k < 1 || s.width <= 0 ||
         s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "

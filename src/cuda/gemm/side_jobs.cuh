@@ -108,12 +108,10 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
 #pragma unroll 4
       for (int c = lane; c < chunks; c += 32) to[c] = in[c];
     }
-    if (s.rows_ready != nullptr) {  // the row is in: the warp's stores, then the count (a release)
+    if (s.rows_ready != nullptr) {  // the row is in: every lane's stores fenced, then the count (a release)
+      __threadfence();
       __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        atomicAdd(s.rows_ready + (r >> 7), 1u);
-      }
+      if (lane == 0) atomicAdd(s.rows_ready + (r >> 7), 1u);
     }
   }
 }
