@@ -1202,50 +1202,42 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   // kGateUp gathering its own A, its tiles held on the rows' counts: z and a
   // as from gather_rows' pool (the pool starts as NaN: a tile read before its
   // rows are in shows), in 128 x 256 and 128 x 128 tiles.
-  Mat x, w13_up, z, a;
-  cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
   DeviceTensor counts(DType::kI32, {C / 128});
   auto* counts_p = static_cast<uint32_t*>(counts.view().data);
-  for (const bool narrow : {false, true}) {
-    cuda::GroupedGemmArgs pooled = up, own = up;
-    pooled.narrow_tiles = own.narrow_tiles = narrow;
-    own.side_gather.src = tok.dev.view().data, own.side_gather.width = H, own.side_gather.row_src = plan.row_src;
-    own.side_gather.top_k = k, own.side_gather.pool_rows = plan.pool_rows, own.side_gather.pool = x.dev.view().data;
-    own.side_gather.rows_ready = counts_p, own.rows_ready = counts_p, own.ready_value = 128;
-    expect_same_bytes({z.bytes(), a.bytes()}, [&] {
+  // `pooled` reading a gather_rows pool against the same GEMM gathering its
+  // own A (`pool`, NaN until gathered: a tile read before its rows are in shows).
+  auto expect_own_gather_bitwise = [&](const cuda::GroupedGemmArgs& pooled, Mat& own_pool, const Outputs& outs,
+                                       const char* what) {
+    cuda::GroupedGemmArgs own = pooled;
+    cuda::GroupedGemmArgs::SideGather& s = own.side_gather;
+    s.src = tok.dev.view().data, s.width = H, s.row_src = plan.row_src, s.top_k = k;
+    s.pool_rows = plan.pool_rows, s.pool = own_pool.dev.view().data, s.rows_ready = counts_p;
+    own.rows_ready = counts_p, own.ready_value = 128;
+    expect_same_bytes(outs, [&] {
       MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
-                                          x.dev.view().data, nullptr));
+                                          own_pool.dev.view().data, nullptr));
       run(pooled);
     }, [&] {
-      ASSERT_TRUE(x.dev.fill_bytes(0xFF).ok());  // NaN rows until gathered
+      ASSERT_TRUE(own_pool.dev.fill_bytes(0xFF).ok());
       ASSERT_TRUE(counts.fill_bytes(0).ok());
       run(own);
-    }, narrow ? "kGateUp gathering its own A (128 x 128)" : "kGateUp gathering its own A (128 x 256)");
+    }, what);
     cuda::GroupedGemmArgs unheld = own;  // the counts without the holds: refused
     unheld.rows_ready = nullptr;
     const Status r = cuda::launch_grouped_gemm(unheld, sms, nullptr);
-    EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << r.to_string();
-  }
-  // kDownGrad gathering its own A (dy) the same way: dz, w a and the d topk_w partials.
-  {
-    Mat dy, w2g, zg, dz2, wa;
-    DeviceTensor dw_partial;
-    const cuda::GroupedGemmArgs pooled = down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial);
-    cuda::GroupedGemmArgs own = pooled;
-    own.side_gather.src = tok.dev.view().data, own.side_gather.width = H, own.side_gather.row_src = plan.row_src;
-    own.side_gather.top_k = k, own.side_gather.pool_rows = plan.pool_rows, own.side_gather.pool = dy.dev.view().data;
-    own.side_gather.rows_ready = counts_p, own.rows_ready = counts_p, own.ready_value = 128;
-    const Outputs outs = {dz2.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
-    expect_same_bytes(outs, [&] {
-      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
-                                          dy.dev.view().data, nullptr));
-      run(pooled);
-    }, [&] {
-      ASSERT_TRUE(dy.dev.fill_bytes(0xFF).ok());  // NaN rows until gathered
-      ASSERT_TRUE(counts.fill_bytes(0).ok());
-      run(own);
-    }, "kDownGrad gathering its own A");
-  }
+    EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << what << ": " << r.to_string();
+  };
+  Mat x, w13_up, z, a;
+  cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
+  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 256)");
+  up.narrow_tiles = true;
+  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 128)");
+  Mat dy, w2g, zg, dz2, wa;  // kDownGrad's dy: dz, w a and the d topk_w partials
+  DeviceTensor dw_partial;
+  const cuda::GroupedGemmArgs down_grad = down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial);
+  expect_own_gather_bitwise(down_grad, dy,
+                            {dz2.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}},
+                            "kDownGrad gathering its own A");
   Mat a2, w2, slots2;
   const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a2, w2, slots2)), sms, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
