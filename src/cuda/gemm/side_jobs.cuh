@@ -104,9 +104,10 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     if (from < 0) {
       for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
     } else {
-      const uint4* in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
-#pragma unroll 4
-      for (int c = lane; c < chunks; c += 32) to[c] = in[c];
+      const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
+      uint4* __restrict__ out = to;
+#pragma unroll 2
+      for (int c = lane; c < chunks; c += 32) out[c] = __ldg(in + c);
     }
     if (s.rows_ready != nullptr) {  // the row is in: every lane's stores fenced, then the count (a release)
       __threadfence();
