@@ -23,15 +23,26 @@ inline constexpr int kThreads = 384;
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
 // Producer 40, consumers 232, on one shared ring and on split rings alike
 // (until session 27 one split-ring producer thread kept a cursor per ring in
-// 56 registers, and the consumers' 224 made some FP8 kernels spill).
+// 56 registers, and the consumers' 224 made some FP8 kernels spill). An
+// experiment (-DMEGAMOE_WIDE_PRODUCER=ON, session 35, not yet measured): the
+// bf16 kernels split 56 / 224 (every one compiles without spills), so that
+// the side jobs' copies keep four loads in flight a lane (side_jobs.cuh).
+template <bool kFp8>
 struct RegisterSplit {
+#ifdef MEGAMOE_WIDE_PRODUCER
+  static constexpr int kProducer = kFp8 ? 40 : 56, kConsumer = kFp8 ? 232 : 224;
+#else
   static constexpr int kProducer = 40, kConsumer = 232;
+#endif
 };
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators
-static_assert(RegisterSplit::kProducer * 128 + RegisterSplit::kConsumer * 2 * 128 <= kLaunchRegs * kThreads &&
-                  RegisterSplit::kProducer % 8 == 0 && RegisterSplit::kConsumer % 8 == 0 &&
-                  kAccPerThread + 64 <= RegisterSplit::kConsumer,
+template <bool kFp8>
+inline constexpr bool kRegisterSplitFits =
+    RegisterSplit<kFp8>::kProducer * 128 + RegisterSplit<kFp8>::kConsumer * 2 * 128 <= kLaunchRegs * kThreads &&
+    RegisterSplit<kFp8>::kProducer % 8 == 0 && RegisterSplit<kFp8>::kConsumer % 8 == 0 &&
+    kAccPerThread + 64 <= RegisterSplit<kFp8>::kConsumer;
+static_assert(kRegisterSplitFits<false> && kRegisterSplitFits<true>,
               "the register split exceeds the launch's pool, is not in setmaxnreg's multiples of 8, or leaves the "
               "epilogue too few registers beside the accumulators");
 

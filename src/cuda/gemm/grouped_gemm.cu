@@ -221,7 +221,7 @@ __device__ __forceinline__ bool fp8_main_loop(const KernelParams& p, const Tile&
                     (kBT && (M == GemmMode::kDownGrad || M == GemmMode::kGateUpGrad)),
                 "FP8: the modes with both operands K-major");
   constexpr bool kWgrad = M == GemmMode::kWeightGrad;
-  static_assert(kAccPerThread + 64 + 32 <= RegisterSplit::kConsumer,
+  static_assert(kAccPerThread + 64 + 32 <= RegisterSplit<true>::kConsumer,
                 "FP8's promotion temporary does not fit the consumer");
   const int kbs = static_cast<int>(p.args.k / kBlockKFp8);  // scale columns (M-grouped modes)
   // This thread's accumulator rows (acc_row): r and r + 8 of each half.
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles = scheduler.num_tiles();
   if (wg == 0) {
-    setmaxnreg_dec<RegisterSplit::kProducer>();
+    setmaxnreg_dec<RegisterSplit<kFp8>::kProducer>();
     // Producer: one thread (on split rings one per ring) issues the TMA loads,
     // tile after tile, in the order the consumers take them. It returns early
     // when a wait gives up or at the fault-injection point (debug_stall_at).
@@ -578,10 +578,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The side jobs' ballots need whole warps 1-3: none of them may be a producer.
       static_assert(!kSplitRings && kGather == kGatherNone, "side jobs: warps 1-3 idle");
       if (threadIdx.x >= 32) {
-        if (p.args.side_gather.pool != nullptr) run_side_gather(p.args.side_gather);
+        if (p.args.side_gather.pool != nullptr)
+          run_side_gather<RegisterSplit<kFp8>::kProducer >= 56 ? 4 : 1>(p.args.side_gather);
         if constexpr (M == GemmMode::kWeightGrad)
           if (p.args.side_combine.out != nullptr)
-            run_side_combine<1>(p.args.side_combine, p.args.errors);
+            run_side_combine<RegisterSplit<kFp8>::kProducer >= 56 ? 4 : 1>(p.args.side_combine, p.args.errors);
       }
     }
     return;
@@ -596,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the tile's columns [128h, 128h + 128): kGateUp's gate and up columns); no
   // order barriers (each stage is freed by both, so neither can poll a
   // stage's next phase early).
-  setmaxnreg_inc<RegisterSplit::kConsumer>();
+  setmaxnreg_inc<RegisterSplit<kFp8>::kConsumer>();
   const int cw = wg - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const int my_first = kSplitRings ? cw * R : 0;  // this consumer's first slot
@@ -902,11 +903,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "
                               "positive multiple of 8");
   }
-  // rows_first reorders the M-grouped modes' tiles; held tiles (rows_ready) keep pool order, in which their rows
-  // arrive.
-  if (args.rows_first && (args.mode == GemmMode::kWeightGrad || args.rows_ready != nullptr))
-    return invalid_argument("grouped GEMM: rows_first orders the M-grouped modes' tiles without rows_ready (not "
-                            "kWeightGrad, not held tiles)");
+  // rows_first reorders the M-grouped modes' tiles (held ones too: an expert's tiles still come in pool order).
+  if (args.rows_first && args.mode == GemmMode::kWeightGrad)
+    return invalid_argument("grouped GEMM: rows_first orders the M-grouped modes' tiles, not kWeightGrad's");
   if (args.mode == GemmMode::kWeightGrad && reinterpret_cast<uintptr_t>(args.out0) % (args.out_f32 ? 16 : 8) != 0)
     return internal_error("grouped GEMM: kWeightGrad's output must be 16-byte (fp32) or 8-byte (bf16) aligned (4-column "
                           "stores)");

@@ -162,7 +162,7 @@ struct GroupedGemmArgs {
   // same products summed in the same order). The backward's wide tiles:
   // kGateUpGrad -11%, dW2 -4%, dW13 -3% at Qwen3-235B-A22B (session 34).
   bool narrow_tiles = false;
-  // M-grouped modes, no rows_ready: walk each expert's tiles rows first
+  // M-grouped modes (held tiles too): walk each expert's tiles rows first
   // (all its 128-row tiles of one column tile, then the next column tile)
   // instead of columns first. Concurrently running tiles then share a few
   // column tiles of B (the weights) instead of needing all of the expert's:

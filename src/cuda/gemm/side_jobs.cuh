@@ -11,8 +11,8 @@
 // lane j loads route j's expert id once a token, the warp's ballot of the
 // valid ones is the same for all lanes, and the lanes walk the row's 16-byte
 // chunks (32 a step), adding the routes' chunks in route order, kBatch loads
-// in flight a lane: the producer warps have 40 registers (kBatch 2 spills
-// once the prefetches below are in).
+// in flight a lane: 1 in the producer warps' 40 registers (2 spills once the
+// prefetches below are in), 4 in 56 (-DMEGAMOE_WIDE_PRODUCER=ON).
 // So that those loads find L2, a token's start asks L2 (prefetch.global.L2)
 // for every slot sector of the warp's next token (top_k rows, 32 bytes a
 // prefetch, the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
@@ -82,6 +82,7 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
 // sectors, so that the copies' loads find L2. With rows_ready (kGateUp
 // gathering its own A) each row is counted once in, and warp w's first row
 // is row w: the first row tiles come in first, as the tiles want them.
+template <int kBatch>
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 40 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -106,8 +107,20 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     } else {
       const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
       uint4* __restrict__ out = to;
+      if constexpr (kBatch == 1) {  // 40 registers: ptxas keeps one load in flight whatever the unrolling
 #pragma unroll 2
-      for (int c = lane; c < chunks; c += 32) out[c] = __ldg(in + c);
+        for (int c = lane; c < chunks; c += 32) out[c] = __ldg(in + c);
+      } else {  // kBatch loads in flight a lane, then their stores
+        for (int c0 = lane; c0 < chunks; c0 += kBatch * 32) {
+          uint4 v[kBatch];
+#pragma unroll
+          for (int q = 0; q < kBatch; ++q)
+            if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
+#pragma unroll
+          for (int q = 0; q < kBatch; ++q)
+            if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
+        }
+      }
     }
     if (s.rows_ready != nullptr) {  // the row is in: every lane's stores fenced, then the count (a release)
       __threadfence();

@@ -6,7 +6,7 @@
 // its two consumers alternate over them. Order: M-grouped modes walk the
 // experts in id order (pool order); within an expert, the column tiles of
 // one row tile next to each other (the row tile's A rows read from L2 by
-// consecutive tiles), or with GroupedGemmArgs::rows_first the row tiles of
+// consecutive tiles), or with GroupedGemmArgs::rows_first (held tiles too) the row tiles of
 // one column tile (its B columns read from L2 by consecutive tiles). Either
 // way expert e's tiles are numbers [first_e * n_tiles, (first_e + count_e) *
 // n_tiles), first_e its first pool row tile: t / n_tiles names the expert.

@@ -148,7 +148,6 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
     s.src = x, s.width = d.hidden, s.row_src = plan.row_src, s.top_k = d.top_k;
     s.pool_rows = plan.pool_rows, s.pool = c.xdy_pool, s.rows_ready = counts;
     g.rows_ready = counts, g.ready_value = 128;
-    g.rows_first = false;  // held tiles keep pool order, the order their rows come in
   }
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);

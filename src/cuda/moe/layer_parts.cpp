@@ -158,10 +158,8 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
   // 13% (30B) and 3% (235B) slower than 128 x 128; gathering, 8% and 25%
   // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
   gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
-  if (own_gather != nullptr) {  // held tiles keep pool order, the order their rows come in
+  if (own_gather != nullptr)
     gd.side_gather = *own_gather, gd.rows_ready = own_gather->rows_ready, gd.ready_value = 128;
-    gd.rows_first = false;
-  }
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   return reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row, d.tokens * d.top_k,
                                c.pv.plan.error_key, d_topk, call.stream);
