@@ -574,9 +574,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // bf16 without gathers; the combine in kWeightGrad only (in kDownGrad's
     // kernels its registers made ptxas spill), the gather in every mode but
     // kDown (kGateUp and kDownGrad: their own A, the tiles held on its counts).
+    // (Not on split rings, kFp8, where thread 32 is a producer: the side jobs' ballots need whole warps.)
     if constexpr (!kFp8 && kGather == kGatherNone && M != GemmMode::kDown) {
-      // The side jobs' ballots need whole warps 1-3: none of them may be a producer.
-      static_assert(!kSplitRings && kGather == kGatherNone, "side jobs: warps 1-3 idle");
       if (threadIdx.x >= 32) {
         if (p.args.side_gather.pool != nullptr)
           run_side_gather<RegisterSplit<kFp8>::kProducer >= 56 ? 4 : 1>(p.args.side_gather);
@@ -814,8 +813,8 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   }
   cudaLaunchAttribute cooperative{};
   if (!kPair && params.args.side_gather.rows_ready != nullptr) {
-    // Tiles wait for rows that the grid's own warps gather (kGateUp's side
-    // gather): every CTA must run at once, also beside other streams' kernels
+    // Tiles wait for rows that the grid's own warps gather (kGateUp's or
+    // kDownGrad's side gather of its A): every CTA must run at once, also beside other streams' kernels
     // (a cooperative launch; one that cannot fit fails instead of waiting).
     cooperative.id = cudaLaunchAttributeCooperative;
     cooperative.val.cooperative = 1;

@@ -2,7 +2,6 @@
 
 #include <string>
 
-#include "cuda/common/cuda_status.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/device_plan.h"
 #include "cuda/moe/fp8_parts.h"
@@ -87,23 +86,14 @@ Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, co
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
   // dy's row tiles counted in the slots' first bytes (the slots are free until kGateUpGrad writes dx's rows).
   uint32_t* counts = row_tile_counts(c.slots, int64_t{d.top_k} * d.tokens * H * 2, C);
-  GroupedGemmArgs::SideGather dy_gather;
-  if (counts != nullptr) {
-    const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(C / 128) * 4, call.stream);
-    if (err != cudaSuccess) return cuda_status("layer backward: zero dy's row tile counts", err);
-    dy_gather.src = dy, dy_gather.width = H, dy_gather.row_src = c.pv.plan.row_src, dy_gather.top_k = d.top_k;
-    dy_gather.pool_rows = plan.pool_rows, dy_gather.pool = c.xdy_pool, dy_gather.rows_ready = counts;
-  } else {
+  if (counts == nullptr)
     MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-  }
   MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
-                                                 nullptr, counts != nullptr ? &dy_gather : nullptr));
+                                                 nullptr, dy, counts));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
-  GroupedGemmArgs::SideGather& xg = gx.side_gather;  // x into the pool dW2 has finished with
-  xg.src = in.x, xg.width = H, xg.row_src = c.pv.plan.row_src, xg.top_k = d.top_k;
-  xg.pool_rows = plan.pool_rows, xg.pool = c.xdy_pool;
+  gx.side_gather = detail::pool_side_gather(in.x, H, plan, c);  // x into the pool dW2 has finished with
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
   GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads);
   GroupedGemmArgs::SideCombine& dx = dw13.side_combine;  // dx from kGateUpGrad's slots
@@ -134,21 +124,13 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
   uint32_t* counts = kSideJobs && !gathers_rows(d)
                          ? row_tile_counts(c.dw_partial, c.capacity * (d.intermediate / 128) * 4, c.capacity)
                          : nullptr;
-  const bool own_gather = counts != nullptr;
-  if (!gathers_rows(d) && !own_gather)
+  if (!gathers_rows(d) && counts == nullptr)
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
   if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
-  if (own_gather) {  // the row tiles' counts, zeroed
-    const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, call.stream);
-    if (err != cudaSuccess) return cuda_status("gate_up: zero the row tiles' counts", err);
-    GroupedGemmArgs::SideGather& s = g.side_gather;
-    s.src = x, s.width = d.hidden, s.row_src = plan.row_src, s.top_k = d.top_k;
-    s.pool_rows = plan.pool_rows, s.pool = c.xdy_pool, s.rows_ready = counts;
-    g.rows_ready = counts, g.ready_value = 128;
-  }
+  if (counts != nullptr) MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(g, x, counts, c, call.stream));
   g.out0 = z_pool, g.out1 = a_pool;
   return launch_grouped_gemm(g, sms, call.stream);
 }

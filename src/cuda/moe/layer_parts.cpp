@@ -1,5 +1,6 @@
 #include "cuda/moe/layer_parts.h"
 
+#include "cuda/common/cuda_status.h"
 #include "cuda/moe/layer_kernels.h"
 
 namespace megamoe::cuda::detail {
@@ -142,9 +143,25 @@ GroupedGemmArgs weight_grad(const LayerCall& call, const DevicePlan& plan, int64
   return g;
 }
 
+GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c) {
+  GroupedGemmArgs::SideGather s;
+  s.src = rows, s.width = width, s.row_src = plan.row_src, s.top_k = plan.top_k;
+  s.pool_rows = plan.pool_rows, s.pool = c.xdy_pool;
+  return s;
+}
+
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, stream);
+  if (err != cudaSuccess) return cuda_status("zero a side gather's row tile counts", err);
+  g.side_gather = pool_side_gather(rows, g.a_cols, g.plan, c);
+  g.side_gather.rows_ready = counts;
+  g.rows_ready = counts, g.ready_value = 128;
+  return Status::Ok();
+}
+
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
                       const float* topk_weights, float* d_topk, int sms, const void* dy_tokens,
-                      const GroupedGemmArgs::SideGather* own_gather) {
+                      const void* dy_own, uint32_t* own_counts) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -158,8 +175,7 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
   // 13% (30B) and 3% (235B) slower than 128 x 128; gathering, 8% and 25%
   // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
   gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
-  if (own_gather != nullptr)
-    gd.side_gather = *own_gather, gd.rows_ready = own_gather->rows_ready, gd.ready_value = 128;
+  if (own_counts != nullptr) MEGAMOE_RETURN_IF_ERROR(gather_own_a(gd, dy_own, own_counts, c, call.stream));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   return reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row, d.tokens * d.top_k,
                                c.pv.plan.error_key, d_topk, call.stream);

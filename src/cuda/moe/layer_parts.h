@@ -63,11 +63,17 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                        const float* topk_weights, float* d_topk, int sms,
                        const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
 // Its two halves: kDownGrad and the d topk_w reduction; kGateUpGrad's arguments.
-// own_gather: kDownGrad gathers dy into c.xdy_pool itself (GroupedGemmArgs::side_gather,
-// its rows_ready zeroed by the caller), its tiles held on the rows' counts.
+// own_counts: kDownGrad gathers dy_own's rows into c.xdy_pool itself (gather_own_a).
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
                       const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr,
-                      const GroupedGemmArgs::SideGather* own_gather = nullptr);
+                      const void* dy_own = nullptr, uint32_t* own_counts = nullptr);
+
+// Token rows [T, width] into c.xdy_pool as a GEMM's side job (GroupedGemmArgs::side_gather).
+GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c);
+// g (kGateUp or kDownGrad over c.xdy_pool) gathers its A from `rows` itself,
+// each tile held until its 128 rows are counted in: counts (u32 [C / 128],
+// in a region free during g) zeroed on `stream` first.
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream);
 GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
                              const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
 
