@@ -338,18 +338,6 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp bf16 gather", gathered(gate_up(false), kGatherA), 2 * routes * 2 * Id * Hd);
   time_gemm("kDownGrad bf16 gather", gathered(down_grad(false), kGatherA), 2 * routes * Hd * Id);
   time_gemm("kDownGrad bf16 wide gather", gathered(wide_down_grad(down_grad(false)), kGatherA), 2 * routes * Hd * Id);
-  // The M-grouped gathers asking L2 for their rows N k-blocks ahead (gather_prefetch_k_blocks).
-  auto prefetching = [](cuda::GroupedGemmArgs g, int distance) {
-    g.gather_prefetch_k_blocks = distance;
-    return g;
-  };
-  for (const int distance : {2, 4, 8}) {
-    const std::string pf = " pf" + std::to_string(distance);
-    time_gemm("kGateUp bf16 gather" + pf, prefetching(gathered(gate_up(false), kGatherA), distance),
-              2 * routes * 2 * Id * Hd);
-    time_gemm("kDownGrad bf16 wide gather" + pf,
-              prefetching(gathered(wide_down_grad(down_grad(false)), kGatherA), distance), 2 * routes * Hd * Id);
-  }
   time_gemm("dW2 bf16 gather", gathered(wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), kGatherA),
             2 * routes * Hd * Id);
   time_gemm("dW13 bf16 gather", gathered(wgrad(false, 2 * I, H, dz, x, nullptr, nullptr, nullptr, nullptr), kGatherB),

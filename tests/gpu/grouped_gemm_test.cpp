@@ -1520,16 +1520,11 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   g.a = x.dev.view().data;
   const Outputs outs = {z.bytes(), a.bytes()};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.gather_prefetch_k_blocks = 4;  // (L2 prefetches, here all into each CTA's next tile: the same bytes)
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.gather_prefetch_k_blocks = 64;  // past every tile's last k-block: none issued
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.gather_prefetch_k_blocks = 0, g.narrow_tiles = true;
+  g.narrow_tiles = true;
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
 }
 
-// kDownGrad's dy rows: dz, w a and the d topk_w partials; also with L2
-// prefetches a k-block ahead (gather_prefetch_k_blocks).
+// kDownGrad's dy rows: dz, w a and the d topk_w partials.
 TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   Mat dy, w2, z, dz, wa, tok;
   DeviceTensor dw_partial;
@@ -1537,8 +1532,6 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
   g.a = dy.dev.view().data;
   const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
-  g.gather_prefetch_k_blocks = 1;
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
 }
 
@@ -1599,13 +1592,6 @@ TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
   expect_refused(bad, "no row_src");
   bad = g, bad.fp8 = true;
   expect_refused(bad, "FP8");
-  for (const int distance : {-1, 65}) {
-    bad = g, bad.gather_prefetch_k_blocks = distance;
-    const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << distance << ": " << st.to_string();
-    EXPECT_NE(st.message().find("gather_prefetch_k_blocks is " + std::to_string(distance)), std::string::npos)
-        << st.to_string();
-  }
   Mat dy, w2, zz, dz, wa;
   DeviceTensor dw_partial;
   bad = down_grad_problem(dy, w2, zz, dz, wa, dw_partial);

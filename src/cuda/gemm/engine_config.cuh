@@ -21,19 +21,15 @@ inline constexpr int kThreads = 384;
 // it. So P x 128 + C x 256 must fit kLaunchRegs x 384 (not the SM's 65536).
 // A consumer holds a 128 x 128 fp32 tile (128 per thread).
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-// Producer 40, consumers 232, on one shared ring and on split rings alike
-// (until session 27 one split-ring producer thread kept a cursor per ring in
-// 56 registers, and the consumers' 224 made some FP8 kernels spill). An
-// experiment (-DMEGAMOE_WIDE_PRODUCER=ON, session 35, not yet measured): the
-// bf16 kernels split 56 / 224 (every one compiles without spills), so that
-// the side jobs' copies keep four loads in flight a lane (side_jobs.cuh).
+// FP8: producer 40, consumers 232, on one shared ring and on split rings
+// alike (until session 27 one split-ring producer thread kept a cursor per
+// ring in 56 registers, and the consumers' 224 made some FP8 kernels spill).
+// bf16: 56 / 224 (every bf16 kernel compiles without spills), so that the
+// side jobs' copies keep four loads in flight a lane (side_jobs.cuh); with 40
+// the side-job kernels were 20-40% slower, the others the same (session 36).
 template <bool kFp8>
 struct RegisterSplit {
-#ifdef MEGAMOE_WIDE_PRODUCER
   static constexpr int kProducer = kFp8 ? 40 : 56, kConsumer = kFp8 ? 232 : 224;
-#else
-  static constexpr int kProducer = 40, kConsumer = 232;
-#endif
 };
 inline constexpr int kConsumerThreads = 128;
 inline constexpr int kAccPerThread = kBlockM * kBlockN / kConsumerThreads;  // fp32 accumulators

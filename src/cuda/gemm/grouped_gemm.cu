@@ -123,7 +123,7 @@ __device__ __forceinline__ void load_stage(const KernelParams& p, const CUtensor
 // i / 4, pool row (i % 4) * 16 + 4 w + j, four rows a k-block.
 // Row r's swizzle, r % 8 = (4 w + j) % 8, is the same for all of a thread's
 // rows: its copies land at one offset plus constants.
-// The producer warps have 40 registers and share their schedulers with the
+// The producer warps have 40-56 registers and share their schedulers with the
 // consumers, so a copy is an address add and the cp.async: each thread
 // looks its rows' tokens up once (M-grouped: a tile; kWeightGrad: a k-block,
 // one ahead) into 16-byte-unit offsets. Looking them up by shuffle and
@@ -172,26 +172,6 @@ struct RowGather {
       cp_async_16(to + box * kBoxBytes + row * 16 * 128, from + box * 128 + static_cast<uint64_t>(off[row]) * 16,
                   (valid >> row) & 1u);
     }
-  }
-  // M-grouped L2 prefetch (GroupedGemmArgs::gather_prefetch_k_blocks): the
-  // eight threads that share a thread's rows (its chunk differs) take one
-  // row each, the chunk-th (row first + chunk * 16 + lane_row()); its offset,
-  // and whether it is a token's.
-  __device__ __forceinline__ static uint32_t prefetch_row(const uint32_t (&off)[kRows], uint32_t valid, int chunk,
-                                                          uint32_t& pf_off) {
-    static_assert(!kWgrad, "kWeightGrad's rows change every k-block");
-    pf_off = off[0];
-#pragma unroll
-    for (int i = 1; i < kRows; ++i)
-      if (chunk == i) pf_off = off[i];
-    return (valid >> chunk) & 1u;
-  }
-  // Asks L2 for that row's 128 bytes of k-block kb: one prefetch a 32-byte
-  // sector (what L2 fills on a miss; PTX promises only "the line").
-  __device__ __forceinline__ void prefetch(int kb, uint32_t pf_off, int chunk) const {
-    const char* line = rows - chunk * 16 + kb * kBlockK * 2 + static_cast<uint64_t>(pf_off) * 16;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) prefetch_l2(line + 32 * s);
   }
 };
 
@@ -486,8 +466,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int lane = static_cast<int>(threadIdx.x & 31), chunk = lane & 7;
         const StageRingAt at = StageRingAt::of(ring);
         const uint32_t gathered0 = smem_u32(smem) + (kGather == kGatherA ? 0 : kTileBytesA);
-        // M-grouped: k-blocks ahead of its copies that a thread asks L2 for one of its rows (0: none).
-        const int pf = M == GemmMode::kWeightGrad ? 0 : p.args.gather_prefetch_k_blocks;
         using Gathering = RowGather<M, kWide && kGather == kGatherB ? 4 : 2>;
         constexpr int kRows = Gathering::kRows;
         Gathering g;
@@ -509,19 +487,6 @@ __global__ void __launch_bounds__(kThreads, 1)
               M == GemmMode::kWeightGrad ? tile.k_begin : static_cast<int64_t>(tile.m) * kBlockM;
           uint32_t off[kRows], next_off[kRows];
           uint32_t valid = g.look_up_all(p, first_row, off), next_valid = valid;
-          // Prefetches (M-grouped, pf > 0): this thread's row of the tile, and the
-          // same row of its next tile, which the last pf k-blocks prefetch into.
-          uint32_t pf_off = 0, pf_next_off = 0;
-          bool pf_valid = false, pf_next_valid = false;
-          if constexpr (M != GemmMode::kWeightGrad) {
-            if (pf > 0) {
-              pf_valid = Gathering::prefetch_row(off, valid, chunk, pf_off);
-              if (t + static_cast<int>(gridDim.x) < tiles) {
-                const int64_t next_first = static_cast<int64_t>(scheduler.tile(t + gridDim.x).m) * kBlockM;
-                pf_next_valid = g.look_up(p, next_first + chunk * 16 + Gathering::lane_row(), pf_next_off) != 0u;
-              }
-            }
-          }
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
             if constexpr (M == GemmMode::kWeightGrad)
               if (kb + 1 < tile.k_blocks) next_valid = g.look_up_all(p, first_row + (kb + 1) * kBlockK, next_off);
@@ -532,13 +497,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             if (threadIdx.x == 0) load(tile, kb, ps.stage());
             g.copy(gathered0 + static_cast<uint32_t>(ps.stage() * kStage), kb, off, valid);
-            if constexpr (M != GemmMode::kWeightGrad) {  // (M-grouped: every tile has k_blocks)
-              if (kb + pf < tile.k_blocks) {
-                if (pf_valid) g.prefetch(kb + pf, pf_off, chunk);
-              } else if (pf_next_valid && kb + pf < 2 * tile.k_blocks) {
-                g.prefetch(kb + pf - tile.k_blocks, pf_next_off, chunk);
-              }
-            }
             cp_async_arrive_noinc(at.full_at(ps.stage()));
             if constexpr (M == GemmMode::kWeightGrad) {
 #pragma unroll
@@ -578,10 +536,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!kFp8 && kGather == kGatherNone && M != GemmMode::kDown) {
       if (threadIdx.x >= 32) {
         if (p.args.side_gather.pool != nullptr)
-          run_side_gather<RegisterSplit<kFp8>::kProducer >= 56 ? 4 : 1>(p.args.side_gather);
+          run_side_gather(p.args.side_gather);
         if constexpr (M == GemmMode::kWeightGrad)
           if (p.args.side_combine.out != nullptr)
-            run_side_combine<RegisterSplit<kFp8>::kProducer >= 56 ? 4 : 1>(p.args.side_combine, p.args.errors);
+            run_side_combine(p.args.side_combine, p.args.errors);
       }
     }
     return;
@@ -822,6 +780,11 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     cfg.numAttrs = 1;
   }
   err = cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_z, map_out0, map_out1, params);
+  if (err == cudaErrorCooperativeLaunchTooLarge) {  // a configuration error: nothing launched, nothing sticky
+    (void)cudaGetLastError();
+    return unavailable("grouped GEMM: a side gather's held tiles need all " + std::to_string(cfg.gridDim.x) +
+                       " CTAs resident at once, and this GPU (or its MPS share) cannot hold them");
+  }
   return cuda_status("grouped GEMM launch", err);
 }
 
@@ -829,9 +792,6 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
 
 Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream) {
   using Gather = GroupedGemmArgs::Gather;
-  if (args.gather_prefetch_k_blocks < 0 || args.gather_prefetch_k_blocks > 64)
-    return invalid_argument("grouped GEMM: gather_prefetch_k_blocks is " +
-                            std::to_string(args.gather_prefetch_k_blocks) + "; 0 (none) to 64 k-blocks ahead");
   if (args.gather != Gather::kNone) {
     if (args.fp8 || args.rows_ready != nullptr)
       return invalid_argument("grouped GEMM: gathered rows are for bf16 without rows_ready");

@@ -142,13 +142,6 @@ struct GroupedGemmArgs {
   // epilogue (nothing is written, kDownGrad loads no z): what the epilogues
   // cost (FP8 kGateUp at 235B: ~10%, session 25).
   bool debug_skip_epilogue = false;
-  // Gathering M-grouped kernels (kGateUp, kDownGrad): each producer thread
-  // asks L2 (prefetch.global.L2) for one of its rows' 128 bytes this many
-  // k-blocks ahead of its copies (into the CTA's next tile near a tile's
-  // end), so that the copies find the rows in L2 (0: no prefetch; 0..64). The gathering kernels are latency-bound, the
-  // ring's stages all in flight (Nsight Compute, session 35). A tuning knob
-  // until measured (megamoe-gemm-bench `gather pfN` rows).
-  int gather_prefetch_k_blocks = 0;
   // Clusters of two CTAs sharing A by TMA multicast, in the modes where that is
   // faster (ModeTraits::kPairs: kWeightGrad) and when n_tiles is even; tests
   // set false to compare with the one-CTA path.
@@ -176,9 +169,8 @@ struct GroupedGemmArgs {
   // from their slots while the GEMM runs: out[t] = the fixed-order sum over
   // t's valid routes j of slots[j][t] (combine_slots' arithmetic, bit for
   // bit), every row NaN when error_key says the plan failed (reported by the
-  // launch with begin 0). None when out is null. The layer's dx combine
-  // rides in dW13 with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet
-  // measured).
+  // launch with begin 0). None when out is null. The bf16 layer's dx
+  // combine rides in dW13.
   struct SideCombine {  // (tokens [begin, end): a combine may be split over launches)
     const void* slots = nullptr;  // [top_k][slot_tokens][hidden] bf16
     int64_t slot_tokens = 0;      // rows of one route's slot plane (>= tokens)
@@ -195,9 +187,8 @@ struct GroupedGemmArgs {
   // idle producer warps copy token rows into a pool as gather_rows does
   // (pool row r = src row row_src[r] / top_k, zeros where row_src is -1, rows
   // [0, *pool_rows)) while the GEMM runs, which must neither read nor write
-  // the pool. None when pool is null. The layer gathers x for dW13 in
-  // kGateUpGrad, and the forward's x for kGateUp itself (rows_ready below),
-  // with -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured).
+  // the pool. None when pool is null. The bf16 layer gathers x for dW13 in
+  // kGateUpGrad, and the forward's x for kGateUp itself (rows_ready below).
   struct SideGather {
     const void* src = nullptr;  // [tokens][width] bf16
     int64_t width = 0;          // a multiple of 8

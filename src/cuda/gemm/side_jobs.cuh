@@ -10,9 +10,10 @@
 // Warp w of the grid's 3 x gridDim.x takes tokens begin + w, + 3 gridDim.x, ...:
 // lane j loads route j's expert id once a token, the warp's ballot of the
 // valid ones is the same for all lanes, and the lanes walk the row's 16-byte
-// chunks (32 a step), adding the routes' chunks in route order, kBatch loads
-// in flight a lane: 1 in the producer warps' 40 registers (2 spills once the
-// prefetches below are in), 4 in 56 (-DMEGAMOE_WIDE_PRODUCER=ON).
+// chunks (32 a step), adding the routes' chunks in route order, kSideLoads
+// loads in flight a lane (the bf16 producers' 56 registers hold four; in 40
+// ptxas kept one, and the kernels hosting side jobs were 20-40% slower,
+// session 36).
 // So that those loads find L2, a token's start asks L2 (prefetch.global.L2)
 // for every slot sector of the warp's next token (top_k rows, 32 bytes a
 // prefetch, the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
@@ -21,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/moe/slot_sums.cuh"
 #include "cuda/ptx/sm90.cuh"
@@ -29,7 +31,10 @@ namespace megamoe::cuda::engine {
 
 using ptx::prefetch_l2;
 
-template <int kBatch>
+// Loads in flight a lane; the side jobs run in bf16 kernels only (RegisterSplit<false>).
+inline constexpr int kSideLoads = 4;
+static_assert(RegisterSplit<false>::kProducer >= 56, "four side-job loads in flight need 56 producer registers");
+
 __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideCombine& s, const DeviceErrorSink& errors) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * 3 + (threadIdx.x / 32 - 1), warps = 3 * gridDim.x;
@@ -55,11 +60,11 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
     const uint4* row = slots + t * chunks;
     for (int c = lane; c < chunks; c += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (uint32_t left = valid; left != 0;) {  // up to kBatch routes at once, in j order
-        uint4 v[kBatch];
+      for (uint32_t left = valid; left != 0;) {  // up to kSideLoads routes at once, in j order
+        uint4 v[kSideLoads];
         int n = 0;
 #pragma unroll
-        for (int q = 0; q < kBatch; ++q) {
+        for (int q = 0; q < kSideLoads; ++q) {
           if (left == 0) break;
           const int j = __ffs(static_cast<int>(left)) - 1;
           left &= left - 1;
@@ -67,7 +72,7 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
           n = q + 1;
         }
 #pragma unroll
-        for (int q = 0; q < kBatch; ++q)
+        for (int q = 0; q < kSideLoads; ++q)
           if (q < n) add_slot_chunk(acc, v[q]);
       }
       out[t * chunks + c] = finish_slot_chunk(acc, failed);
@@ -82,9 +87,8 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
 // sectors, so that the copies' loads find L2. With rows_ready (kGateUp
 // gathering its own A) each row is counted once in, and warp w's first row
 // is row w: the first row tiles come in first, as the tiles want them.
-template <int kBatch>
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
-  // 32-bit rows (pool and token rows are ints): the producer warps have 40 registers.
+  // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(blockIdx.x) * 3 + static_cast<int>(threadIdx.x / 32) - 1;
   const int warps = 3 * static_cast<int>(gridDim.x);
@@ -107,19 +111,14 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     } else {
       const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
       uint4* __restrict__ out = to;
-      if constexpr (kBatch == 1) {  // 40 registers: ptxas keeps one load in flight whatever the unrolling
-#pragma unroll 2
-        for (int c = lane; c < chunks; c += 32) out[c] = __ldg(in + c);
-      } else {  // kBatch loads in flight a lane, then their stores
-        for (int c0 = lane; c0 < chunks; c0 += kBatch * 32) {
-          uint4 v[kBatch];
+      for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {  // kSideLoads loads in flight, then their stores
+        uint4 v[kSideLoads];
 #pragma unroll
-          for (int q = 0; q < kBatch; ++q)
-            if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
+        for (int q = 0; q < kSideLoads; ++q)
+          if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
 #pragma unroll
-          for (int q = 0; q < kBatch; ++q)
-            if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
-        }
+        for (int q = 0; q < kSideLoads; ++q)
+          if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
       }
     }
     if (s.rows_ready != nullptr) {  // the row is in: every lane's stores fenced, then the count (a release)

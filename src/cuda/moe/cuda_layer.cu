@@ -61,11 +61,12 @@ bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
 // The bf16 layer's memory-bound steps as side jobs of its GEMMs (the idle
 // producer warps: GroupedGemmArgs::side_gather, side_combine) instead of
-// kernels of their own: an experiment, only when built with
-// -DMEGAMOE_SIDE_JOBS=ON (session 35, not yet measured). The forward's
-// kGateUp gathers x itself (gate_up); the backward runs kDownGrad gathering
-// dy itself, dW2 (the last reader of dy's pool), kGateUpGrad gathering x
-// into the pool, dW13 combining dx from kGateUpGrad's slots.
+// kernels of their own (-DMEGAMOE_SIDE_JOBS, on by default; 30B: -3%, perf-log
+// session 36). The forward's kGateUp gathers x itself (gate_up); the backward
+// gathers dy with gather_rows (kDownGrad gathering dy itself was 70 us slower
+// than the two kernels at 30B, session 36), then kDownGrad, dW2 (the last
+// reader of dy's pool), kGateUpGrad gathering x into the pool, dW13 combining
+// dx from kGateUpGrad's slots.
 #ifdef MEGAMOE_SIDE_JOBS
 constexpr bool kSideJobs = true;
 #else
@@ -73,23 +74,13 @@ constexpr bool kSideJobs = false;
 #endif
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
-// The row tiles' counts of a GEMM gathering its own A (u32 [C / 128]) in a
-// region free at that time, `bytes` long: null when they do not fit (tiny
-// shapes), and the caller gathers with gather_rows instead.
-uint32_t* row_tile_counts(void* region, int64_t bytes, int64_t capacity) {
-  return capacity / 128 * 4 <= bytes ? static_cast<uint32_t*>(region) : nullptr;
-}
-
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  // dy's row tiles counted in the slots' first bytes (the slots are free until kGateUpGrad writes dx's rows).
-  uint32_t* counts = row_tile_counts(c.slots, int64_t{d.top_k} * d.tokens * H * 2, C);
-  if (counts == nullptr)
-    MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
-                                                 nullptr, dy, counts));
+  MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(
+      detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
@@ -112,26 +103,34 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
 }
 
 // x gathered into the pool (or by the GEMM: gathers_rows; or by its idle
-// producer warps, its tiles held on the rows' counts: the side-jobs
-// experiment), then GEMM1 + SwiGLU in the forward's precision: z into
+// producer warps, its tiles held on the rows' counts: side jobs), then GEMM1 + SwiGLU in the forward's precision: z into
 // z_pool, a into a_pool (either may be null). FP8 quantises the token rows
 // as it scatters them into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  // (counts in dw_partial: the backward's, free until kDownGrad)
-  uint32_t* counts = kSideJobs && !gathers_rows(d)
-                         ? row_tile_counts(c.dw_partial, c.capacity * (d.intermediate / 128) * 4, c.capacity)
-                         : nullptr;
-  if (!gathers_rows(d) && counts == nullptr)
+  // The row tiles' counts (u32 [C / 128]) in dw_partial (f32 [C, I / 128], I
+  // a multiple of 128): the backward's, free until kDownGrad.
+  const bool own_gather = kSideJobs && !gathers_rows(d);
+  if (!gathers_rows(d) && !own_gather)
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
   if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
-  if (counts != nullptr) MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(g, x, counts, c, call.stream));
   g.out0 = z_pool, g.out1 = a_pool;
+  if (own_gather) {
+    GroupedGemmArgs own = g;
+    MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, x, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
+    const Status st = launch_grouped_gemm(own, sms, call.stream);
+    // Holding tiles on its own gather needs every CTA resident at once (a
+    // cooperative launch); where the SMs are partitioned (MPS) that launch is
+    // refused, and x is gathered by its own kernel instead.
+    if (st.code() != StatusCode::kUnavailable) return st;
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
+  }
   return launch_grouped_gemm(g, sms, call.stream);
 }
 

@@ -98,9 +98,11 @@ DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d) {
 // Experts whose weights (B) pass this many bytes walk their tiles rows first
 // (GroupedGemmArgs::rows_first): concurrently running tiles then read a few
 // column tiles of B instead of all of it (Mixtral's w13: 235 MB an expert,
-// against the H200's 50 MB of L2). Qwen3-235B-A22B's w13 (25 MB) stays below.
-// In the layer only when built with -DMEGAMOE_ROWS_FIRST=ON, until measured.
-constexpr int64_t kRowsFirstWeightBytes = int64_t{32} << 20;
+// against the H200's 50 MB of L2). megamoe-gemm-bench, session 36: Mixtral's
+// kGateUp -27%, kDownGrad -13%; Qwen3-235B-A22B (w13 25 MB, w2 13 MB) -1..-2%
+// in all four modes; Qwen3-30B-A3B (w13 6 MB) +8..+14%, so it stays below.
+// (-DMEGAMOE_ROWS_FIRST=OFF: never, to measure against.)
+constexpr int64_t kRowsFirstWeightBytes = int64_t{10} << 20;
 #ifdef MEGAMOE_ROWS_FIRST
 constexpr bool kRowsFirst = true;
 #else
@@ -160,8 +162,7 @@ Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, cons
 }
 
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens,
-                      const void* dy_own, uint32_t* own_counts) {
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -175,7 +176,6 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
   // 13% (30B) and 3% (235B) slower than 128 x 128; gathering, 8% and 25%
   // faster (megamoe-gemm-bench and Nsight Compute, perf-log session 35).
   gd.wide_down_grad = gd.gather == GroupedGemmArgs::Gather::kA;
-  if (own_counts != nullptr) MEGAMOE_RETURN_IF_ERROR(gather_own_a(gd, dy_own, own_counts, c, call.stream));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gd, sms, call.stream));
   return reduce_route_partials(c.dw_partial, static_cast<int>(I / kBlockN), c.pv.plan.route_row, d.tokens * d.top_k,
                                c.pv.plan.error_key, d_topk, call.stream);

@@ -44,8 +44,8 @@ int sm_count(int device);
 DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
 
 // Whether an M-grouped GEMM walks its experts' tiles rows first
-// (GroupedGemmArgs::rows_first): weights of elem_bytes a value over 32 MB an
-// expert, and only when built with -DMEGAMOE_ROWS_FIRST=ON.
+// (GroupedGemmArgs::rows_first): weights of elem_bytes a value over 10 MB an
+// expert (unless built with -DMEGAMOE_ROWS_FIRST=OFF).
 bool prefers_rows_first(const DevicePlan& plan, int64_t b_rows, int64_t b_cols, int elem_bytes);
 
 // An M-grouped GEMM over the pool: A = pool [C, k], B = stacked expert weights [b_rows, b_cols].
@@ -63,14 +63,12 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                        const float* topk_weights, float* d_topk, int sms,
                        const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
 // Its two halves: kDownGrad and the d topk_w reduction; kGateUpGrad's arguments.
-// own_counts: kDownGrad gathers dy_own's rows into c.xdy_pool itself (gather_own_a).
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr,
-                      const void* dy_own = nullptr, uint32_t* own_counts = nullptr);
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr);
 
 // Token rows [T, width] into c.xdy_pool as a GEMM's side job (GroupedGemmArgs::side_gather).
 GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c);
-// g (kGateUp or kDownGrad over c.xdy_pool) gathers its A from `rows` itself,
+// g (kGateUp over c.xdy_pool) gathers its A from `rows` itself,
 // each tile held until its 128 rows are counted in: counts (u32 [C / 128],
 // in a region free during g) zeroed on `stream` first.
 Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream);
