@@ -1220,6 +1220,13 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     unheld.rows_ready = nullptr;
     const Status r = cuda::launch_grouped_gemm(unheld, sms, nullptr);
     EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << what << ": " << r.to_string();
+    // More CTAs than the GPU holds at once (as on an MPS share of its SMs):
+    // the cooperative launch is refused with kUnavailable (the layer then
+    // gathers with gather_rows), nothing runs, and no error stays behind.
+    const Status big = cuda::launch_grouped_gemm(own, 2 * sms, nullptr);
+    EXPECT_EQ(big.code(), StatusCode::kUnavailable) << what << ": " << big.to_string();
+    EXPECT_NE(big.message().find("resident at once"), std::string::npos) << big.to_string();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess) << what;
   };
   Mat x, w13_up, z, a;
   cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
@@ -1524,7 +1531,9 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
 }
 
-// kDownGrad's dy rows: dz, w a and the d topk_w partials.
+// kDownGrad's dy rows: dz, w a and the d topk_w partials; with gather_pool
+// also the pool, as gather_rows writes it (NaN before: a row not stored
+// shows), in 128 x 128 and 128 x 256 tiles.
 TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   Mat dy, w2, z, dz, wa, tok;
   DeviceTensor dw_partial;
@@ -1533,6 +1542,32 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   g.a = dy.dev.view().data;
   const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
+  Mat copy;
+  copy.make(C, H);
+  const Outputs copied = {{copy.dev.view().data, static_cast<size_t>(pool_rows * H * 2)}};
+  for (const bool wide : {false, true}) {
+    cuda::GroupedGemmArgs pooled = g;
+    pooled.wide_down_grad = wide;
+    cuda::GroupedGemmArgs storing = pooled;
+    storing.a = tok.dev.view().data, storing.gather = cuda::GroupedGemmArgs::Gather::kA, storing.gather_tokens = T;
+    storing.gather_pool = copy.dev.view().data;
+    const std::string what = wide ? " (128 x 256)" : " (128 x 128)";
+    expect_same_bytes(outs, [&] { run(pooled); }, [&] { run(storing); }, ("storing its gathered rows" + what).c_str());
+    expect_same_bytes(copied, [&] {
+      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
+                                          copy.dev.view().data, nullptr));
+    }, [&] {
+      ASSERT_TRUE(copy.dev.fill_bytes(0xFF).ok());
+      run(storing);
+    }, ("the pool it stores" + what).c_str());
+  }
+  // Refused: a pool without the gather, or in another mode.
+  cuda::GroupedGemmArgs bad = g;
+  bad.gather_pool = copy.dev.view().data;
+  const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("gather_pool"), std::string::npos) << st.to_string();
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
 // kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), each in the 128 x

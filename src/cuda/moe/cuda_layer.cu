@@ -74,13 +74,27 @@ constexpr bool kSideJobs = false;
 #endif
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
+// With side jobs: kDownGrad gathers dy's rows itself (its producer's
+// copies) and stores them as dy's pool for dW2, instead of gather_rows +
+// the pooled kDownGrad (GroupedGemmArgs::gather_pool). An experiment, only
+// when built with -DMEGAMOE_GATHER_DY=ON (session 36, not yet measured;
+// megamoe-gemm-bench's gathering kDownGrad against pooled + gather_rows:
+// 1038 against 932 + 257 us at 30B, 3673 against 3531 + 535 at 235B).
+#ifdef MEGAMOE_GATHER_DY
+constexpr bool kGatherDy = true;
+#else
+constexpr bool kGatherDy = false;
+#endif
+
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(
-      detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
+  if (!kGatherDy)
+    MEGAMOE_RETURN_IF_ERROR(
+        gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
+                                                 kGatherDy ? dy : nullptr, kGatherDy));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
