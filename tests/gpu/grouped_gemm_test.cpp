@@ -128,7 +128,8 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     ASSERT_GT(pool_rows, 0);
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    sms = GetParam() == 0 ? prop.multiProcessorCount : GetParam();
+    device_sms = prop.multiProcessorCount;
+    sms = GetParam() == 0 ? device_sms : GetParam();
     ASSERT_TRUE(cuda::device_error_sink(0, &errors).ok());
     errors.timeout_ns = test_wait_timeout_ns();
     MEGAMOE_ASSERT_OK(cuda::take_device_error(0, nullptr));  // nothing pending from before
@@ -363,7 +364,7 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   const int64_t T = 300, H = 256, I = 256;
   const int E = 4, k = 2;
   int64_t C = 0, pool_rows = 0;
-  int sms = 0;
+  int sms = 0, device_sms = 0;  // the grid the tests launch (the parameter), the GPU's SMs
   LayerData data;
   DeviceTensor idx, weights;
   std::vector<DeviceTensor> bufs;
@@ -1223,7 +1224,7 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     // More CTAs than the GPU holds at once (as on an MPS share of its SMs):
     // the cooperative launch is refused with kUnavailable (the layer then
     // gathers with gather_rows), nothing runs, and no error stays behind.
-    const Status big = cuda::launch_grouped_gemm(own, 2 * sms, nullptr);
+    const Status big = cuda::launch_grouped_gemm(own, 2 * device_sms, nullptr);
     EXPECT_EQ(big.code(), StatusCode::kUnavailable) << what << ": " << big.to_string();
     EXPECT_NE(big.message().find("resident at once"), std::string::npos) << big.to_string();
     EXPECT_EQ(cudaGetLastError(), cudaSuccess) << what;
@@ -1545,22 +1546,30 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   Mat copy;
   copy.make(C, H);
   const Outputs copied = {{copy.dev.view().data, static_cast<size_t>(pool_rows * H * 2)}};
-  for (const bool wide : {false, true}) {
-    cuda::GroupedGemmArgs pooled = g;
-    pooled.wide_down_grad = wide;
+  // ii: kDownGrad's N (512: two column tiles of the wide ones too).
+  auto expect_pool_stored = [&](int64_t ii, bool wide, bool rows_first) {
+    Mat dy2, w2b, zb, dzb, wab, tok2;
+    DeviceTensor partial;
+    cuda::GroupedGemmArgs pooled = down_grad_problem(dy2, w2b, zb, dzb, wab, partial, ii);
+    token_rows_and_pool(tok2, dy2, H, 22);
+    pooled.a = dy2.dev.view().data;
+    pooled.wide_down_grad = wide, pooled.rows_first = rows_first;
     cuda::GroupedGemmArgs storing = pooled;
-    storing.a = tok.dev.view().data, storing.gather = cuda::GroupedGemmArgs::Gather::kA, storing.gather_tokens = T;
+    storing.a = tok2.dev.view().data, storing.gather = cuda::GroupedGemmArgs::Gather::kA, storing.gather_tokens = T;
     storing.gather_pool = copy.dev.view().data;
-    const std::string what = wide ? " (128 x 256)" : " (128 x 128)";
-    expect_same_bytes(outs, [&] { run(pooled); }, [&] { run(storing); }, ("storing its gathered rows" + what).c_str());
+    const std::string what = std::string(wide ? " (128 x 256" : " (128 x 128") + ", N " + std::to_string(ii) +
+                             (rows_first ? ", rows first)" : ")");
+    const Outputs o = {dzb.bytes(), wab.bytes(), {partial.view().data, static_cast<size_t>(C * (ii / 128) * 4)}};
+    expect_same_bytes(o, [&] { run(pooled); }, [&] { run(storing); }, ("storing its gathered rows" + what).c_str());
     expect_same_bytes(copied, [&] {
-      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
+      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok2.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
                                           copy.dev.view().data, nullptr));
-    }, [&] {
-      ASSERT_TRUE(copy.dev.fill_bytes(0xFF).ok());
-      run(storing);
-    }, ("the pool it stores" + what).c_str());
-  }
+    }, [&] { run(storing); }, ("the pool it stores" + what).c_str());
+  };
+  expect_pool_stored(I, false, false);
+  expect_pool_stored(I, false, true);
+  expect_pool_stored(512, true, false);
+  expect_pool_stored(512, true, true);
   // Refused: a pool without the gather, or in another mode.
   cuda::GroupedGemmArgs bad = g;
   bad.gather_pool = copy.dev.view().data;

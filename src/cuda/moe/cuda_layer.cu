@@ -90,11 +90,12 @@ Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, co
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  if (!kGatherDy)
+  const bool gather_dy = kGatherDy && d.tokens > 0;  // (a gathering GEMM needs token rows)
+  if (!gather_dy)
     MEGAMOE_RETURN_IF_ERROR(
         gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
   MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
-                                                 kGatherDy ? dy : nullptr, kGatherDy));
+                                                 gather_dy ? dy : nullptr, gather_dy));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
