@@ -200,6 +200,9 @@ std::vector<Case> cases() {
   add(3000, 1, 16, Kind::kOneExpert);  // 3000 rows on one expert
   add(4095, 8, 8, Kind::kUniform);     // k = E: every token on every expert
   add(5000, 2, 32, Kind::kDrops);
+  add(700, 4, 700, Kind::kDrops);      // E over 512: plan_assign_fast ranks in two passes
+  add(600, 3, 3000, Kind::kUniform);   // E over 2048: plan_count_fast counts in two passes too
+  add(256, 32, 64, Kind::kUniform);    // k = 32: 8192 routes a chunk
   return v;
 }
 
