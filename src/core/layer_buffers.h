@@ -26,8 +26,8 @@
 //                                   backward's rows arrive in bf16) have it
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
-//   dw_partial    f32  [C, I / 128] backward: per-tile partial sums of d topk_w. Forward (the
-//                                   side-jobs experiment): u32 [C / 128] counts of kGateUp's rows in,
+//   dw_partial    f32  [C, I / 128] backward: per-tile partial sums of d topk_w. Forward (side
+//                                   jobs, bf16): u32 [C / 128] counts of kGateUp's rows in,
 //                                   per row tile (GroupedGemmArgs::side_gather)
 //   fp8           FP8 precisions only (Fp8Layout below): the e4m3 activation and
 //                 gradient operands and their scales, quantised in each call (empty

@@ -61,7 +61,7 @@ bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
 // The bf16 layer's memory-bound steps as side jobs of its GEMMs (the idle
 // producer warps: GroupedGemmArgs::side_gather, side_combine) instead of
-// kernels of their own (-DMEGAMOE_SIDE_JOBS, on by default; 30B: -3%, perf-log
+// kernels of their own (-DMEGAMOE_SIDE_JOBS, on by default; 30B: -2%, perf-log
 // session 36). The forward's kGateUp gathers x itself (gate_up); the backward
 // gathers dy with gather_rows (kDownGrad gathering dy itself was 70 us slower
 // than the two kernels at 30B, session 36), then kDownGrad, dW2 (the last
@@ -118,24 +118,24 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
 }
 
 // x gathered into the pool (or by the GEMM: gathers_rows; or by its idle
-// producer warps, its tiles held on the rows' counts: side jobs), then GEMM1 + SwiGLU in the forward's precision: z into
-// z_pool, a into a_pool (either may be null). FP8 quantises the token rows
-// as it scatters them into the pool (no bf16 x pool).
+// producer warps, its tiles held on the rows' counts: side jobs), then
+// GEMM1 + SwiGLU in the forward's precision: z into z_pool, a into a_pool
+// (either may be null). FP8 quantises the token rows as it scatters them
+// into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
                const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
-  // The row tiles' counts (u32 [C / 128]) in dw_partial (f32 [C, I / 128], I
-  // a multiple of 128): the backward's, free until kDownGrad.
-  const bool own_gather = kSideJobs && !gathers_rows(d);
-  if (!gathers_rows(d) && !own_gather)
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
                                 d.num_experts * 2 * d.intermediate, d.hidden, d.intermediate);
-  if (gathers_rows(d)) gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
   g.out0 = z_pool, g.out1 = a_pool;
-  if (own_gather) {
+  if (gathers_rows(d)) {
+    gather_in_gemm(g, GroupedGemmArgs::Gather::kA, x, d);
+    return launch_grouped_gemm(g, sms, call.stream);
+  }
+  if (kSideJobs) {
+    // The row tiles' counts (u32 [C / 128]) in dw_partial (f32 [C, I / 128],
+    // I a multiple of 128): the backward's, free until kDownGrad.
     GroupedGemmArgs own = g;
     MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, x, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
     const Status st = launch_grouped_gemm(own, sms, call.stream);
@@ -143,9 +143,9 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
     // cooperative launch); where the SMs are partitioned (MPS) that launch is
     // refused, and x is gathered by its own kernel instead.
     if (st.code() != StatusCode::kUnavailable) return st;
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   }
+  MEGAMOE_RETURN_IF_ERROR(
+      gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
@@ -249,7 +249,7 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
   // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).
   // ga = dy @ w2[e] (fused: d topk_w partials, dz, topk_w * a), d topk_w, then the dx slots = dz @ w13[e].
-  if (side_jobs(d))  // the experiment above: four GEMMs with the gathers and dx's combine aboard
+  if (side_jobs(d))  // (above: four GEMMs with x's gather and dx's combine aboard)
     return backward_with_side_jobs(call, plan, c, in, dy, grads, sms);
   if (fp8_backward(d)) {
     MEGAMOE_RETURN_IF_ERROR(
