@@ -275,6 +275,7 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp fp8 noepi", no_epilogue(gate_up(true)), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUp bf16 noepi", no_epilogue(gate_up(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
+  time_gemm("kDown bf16 noepi", no_epilogue(down(false)), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
   time_gemm("kDown fp8 kbs", scales_by_k_block(down(true), sa_kb), 2 * routes * Hd * Id);
   time_gemm("kDown fp8 noepi", no_epilogue(down(true)), 2 * routes * Hd * Id);

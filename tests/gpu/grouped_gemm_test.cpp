@@ -1532,9 +1532,8 @@ TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
 }
 
-// kDownGrad's dy rows: dz, w a and the d topk_w partials; with gather_pool
-// also the pool, as gather_rows writes it (NaN before: a row not stored
-// shows), in 128 x 128 and 128 x 256 tiles.
+// kDownGrad's dy rows: dz, w a and the d topk_w partials, in 128 x 128
+// tiles, and in 128 x 256 ones (N 512: two column tiles), rows first or not.
 TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   Mat dy, w2, z, dz, wa, tok;
   DeviceTensor dw_partial;
@@ -1543,40 +1542,18 @@ TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
   g.a = dy.dev.view().data;
   const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
   expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
-  Mat copy;
-  copy.make(C, H);
-  const Outputs copied = {{copy.dev.view().data, static_cast<size_t>(pool_rows * H * 2)}};
-  // ii: kDownGrad's N (512: two column tiles of the wide ones too).
-  auto expect_pool_stored = [&](int64_t ii, bool wide, bool rows_first) {
+  for (const bool rows_first : {false, true}) {
     Mat dy2, w2b, zb, dzb, wab, tok2;
     DeviceTensor partial;
-    cuda::GroupedGemmArgs pooled = down_grad_problem(dy2, w2b, zb, dzb, wab, partial, ii);
+    cuda::GroupedGemmArgs wide = down_grad_problem(dy2, w2b, zb, dzb, wab, partial, 512);
     token_rows_and_pool(tok2, dy2, H, 22);
-    pooled.a = dy2.dev.view().data;
-    pooled.wide_down_grad = wide, pooled.rows_first = rows_first;
-    cuda::GroupedGemmArgs storing = pooled;
-    storing.a = tok2.dev.view().data, storing.gather = cuda::GroupedGemmArgs::Gather::kA, storing.gather_tokens = T;
-    storing.gather_pool = copy.dev.view().data;
-    const std::string what = std::string(wide ? " (128 x 256" : " (128 x 128") + ", N " + std::to_string(ii) +
-                             (rows_first ? ", rows first)" : ")");
-    const Outputs o = {dzb.bytes(), wab.bytes(), {partial.view().data, static_cast<size_t>(C * (ii / 128) * 4)}};
-    expect_same_bytes(o, [&] { run(pooled); }, [&] { run(storing); }, ("storing its gathered rows" + what).c_str());
-    expect_same_bytes(copied, [&] {
-      MEGAMOE_ASSERT_OK(cuda::gather_rows(tok2.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
-                                          copy.dev.view().data, nullptr));
-    }, [&] { run(storing); }, ("the pool it stores" + what).c_str());
-  };
-  expect_pool_stored(I, false, false);
-  expect_pool_stored(I, false, true);
-  expect_pool_stored(512, true, false);
-  expect_pool_stored(512, true, true);
-  // Refused: a pool without the gather, or in another mode.
-  cuda::GroupedGemmArgs bad = g;
-  bad.gather_pool = copy.dev.view().data;
-  const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.message().find("gather_pool"), std::string::npos) << st.to_string();
-  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
+    wide.a = dy2.dev.view().data;
+    wide.wide_down_grad = true, wide.rows_first = rows_first;
+    SCOPED_TRACE(rows_first ? "128 x 256, rows first" : "128 x 256");
+    const Outputs wide_outs = {dzb.bytes(), wab.bytes(),
+                               {partial.view().data, static_cast<size_t>(C * (512 / 128) * 4)}};
+    expect_gathered_bitwise(wide, cuda::GroupedGemmArgs::Gather::kA, tok2, dy2, wide_outs);
+  }
 }
 
 // kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), each in the 128 x

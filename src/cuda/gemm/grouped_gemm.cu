@@ -623,13 +623,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
       }
     } else {
-      // kDownGrad gathering dy with gather_pool: column tile 0's consumer
-      // (thread 0 of its warpgroup; kWide: of consumer 0) stores each landed
-      // A stage to the pool by TMA (map_a is the pool's), and waits for the
-      // store to have read the stage before giving it back.
-      bool pool_store = false;
-      if constexpr (kGather == kGatherA && M == GemmMode::kDownGrad)
-        pool_store = p.args.gather_pool != nullptr && tile.n == 0 && (threadIdx.x & 127) == 0 && (!kWide || cw == 0);
       for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
         if (!my_ring.wait_full(waits, ps)) {
           wgmma_wait<0>();  // retire the previous k-block's group before leaving
@@ -642,12 +635,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kGather != kGatherNone) fence_proxy_async_shared();
         const uint8_t* sa = my_stages + ps.stage() * kStage;
         const uint8_t* sb = sa + kTileBytesA;
-        if (pool_store) {  // (after the fence above: the copies' bytes are visible to TMA)
-          const int row = tile.m * kBlockM;
-          tma_store_2d(&map_a, sa, kb * kBlockK, row);
-          tma_store_2d(&map_a, sa + kBoxBytes, kb * kBlockK, row + 64);
-          bulk_commit_group();
-        }
         // Between here and the wait<0> after the loop, nothing but wgmma touches
         // the accumulators (the fences are compiler-only: no instruction).
         fence_accumulators(acc[0]);
@@ -687,15 +674,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // and issued: retiring down to one pending group proves the previous
         // k-block's group done, so its stage (not this one) goes back.
         wgmma_wait<1>();
-        if (kb > 0) {
-          if (pool_store) bulk_wait_group_read<1>();  // the previous stage's store has read it
-          release(ps.previous_stage());
-        }
+        if (kb > 0) release(ps.previous_stage());
       }
       wgmma_wait<0>();
       fence_accumulators(acc[0]);
       fence_accumulators(acc[1]);
-      if (pool_store) bulk_wait_group_read<0>();
       if (tile.k_blocks > 0) release(ps.previous_stage());
     }
     if (!kSplitRings && !kWide && (threadIdx.x & 127) == 0) order.pass_turn(cw);  // the other consumer may start its main loop
@@ -841,10 +824,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                               std::to_string(args.gather_tokens) + " rows of " + std::to_string(row_bytes) +
                               " bytes); gathered rows need less");
   }
-  if (args.gather_pool != nullptr &&
-      (args.gather != Gather::kA || args.mode != GemmMode::kDownGrad || args.k != args.a_cols))
-    return invalid_argument("grouped GEMM: gather_pool is for kDownGrad gathering A, all of its columns (k " +
-                            std::to_string(args.k) + ", a_cols " + std::to_string(args.a_cols) + ")");
   if (args.n % kBlockN != 0 && args.mode != GemmMode::kGateUp)
     return internal_error("grouped GEMM: N = " + std::to_string(args.n) + " is not a multiple of 128");
   if (args.k % kBlockK != 0) return internal_error("grouped GEMM: K is not a multiple of 64");
@@ -983,13 +962,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.a, args.a_rows, args.a_cols, &map_a));
     MEGAMOE_RETURN_IF_ERROR(make_tma_2d_e4m3_box64x128(args.b, args.b_rows, args.b_cols, &map_b));
   } else {
-    // A gathered operand: its map (of the token rows) is never loaded from, the producer threads copy it;
-    // with gather_pool, map_a is the pool's, which the consumers store the gathered stages to.
-    if (args.gather_pool != nullptr)
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.gather_pool, args.a_rows, args.a_cols, &map_a));
-    else
-      MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(
-          args.a, args.gather == Gather::kA ? args.gather_tokens : args.a_rows, args.a_cols, &map_a));
+    // A gathered operand: its map (of the token rows) is never loaded from, the producer threads copy it.
+    MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(
+        args.a, args.gather == Gather::kA ? args.gather_tokens : args.a_rows, args.a_cols, &map_a));
     MEGAMOE_RETURN_IF_ERROR(
         make_tma_2d_bf16_box64(args.b, args.gather == Gather::kB ? args.gather_tokens : args.b_rows, args.b_cols, &map_b));
   }

@@ -225,14 +225,6 @@ struct GroupedGemmArgs {
   enum class Gather { kNone, kA, kB };
   Gather gather = Gather::kNone;
   int64_t gather_tokens = 0;
-  // kDownGrad gathering its A (dy): the gathered rows also go to this pool
-  // [a_rows, a_cols] (bf16; needs k == a_cols), gather_rows' bytes, for the
-  // GEMMs after it (dW2): the consumer of each row tile's column tile 0
-  // stores every k-block's A stage by TMA once the stage has landed, and
-  // frees the stage only when the store has read it. One gather of dy
-  // instead of gather_rows + the pooled kDownGrad (an experiment: the
-  // layer's -DMEGAMOE_GATHER_DY=ON, session 36, not yet measured).
-  void* gather_pool = nullptr;
 };
 
 // Launches the engine on `stream`. Host-side checks only (no synchronisation).

@@ -64,7 +64,8 @@ bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 // kernels of their own (-DMEGAMOE_SIDE_JOBS, on by default; 30B: -2%, perf-log
 // session 36). The forward's kGateUp gathers x itself (gate_up); the backward
 // gathers dy with gather_rows (kDownGrad gathering dy itself was 70 us slower
-// than the two kernels at 30B, session 36), then kDownGrad, dW2 (the last
+// than the two kernels at 30B, and storing the gathered rows as dW2's pool
+// too 0.15-0.2 ms slower in f+b, sessions 36-37), then kDownGrad, dW2 (the last
 // reader of dy's pool), kGateUpGrad gathering x into the pool, dW13 combining
 // dx from kGateUpGrad's slots.
 #ifdef MEGAMOE_SIDE_JOBS
@@ -74,28 +75,13 @@ constexpr bool kSideJobs = false;
 #endif
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
-// With side jobs: kDownGrad gathers dy's rows itself (its producer's
-// copies) and stores them as dy's pool for dW2, instead of gather_rows +
-// the pooled kDownGrad (GroupedGemmArgs::gather_pool). An experiment, only
-// when built with -DMEGAMOE_GATHER_DY=ON (session 36, not yet measured;
-// megamoe-gemm-bench's gathering kDownGrad against pooled + gather_rows:
-// 1038 against 932 + 257 us at 30B, 3673 against 3531 + 535 at 235B).
-#ifdef MEGAMOE_GATHER_DY
-constexpr bool kGatherDy = true;
-#else
-constexpr bool kGatherDy = false;
-#endif
-
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  const bool gather_dy = kGatherDy && d.tokens > 0;  // (a gathering GEMM needs token rows)
-  if (!gather_dy)
-    MEGAMOE_RETURN_IF_ERROR(
-        gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
-  MEGAMOE_RETURN_IF_ERROR(detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms,
-                                                 gather_dy ? dy : nullptr, gather_dy));
+  MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(
+      detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);

@@ -34,90 +34,27 @@ __device__ int load_chunk(const int32_t* topk_idx, int64_t num_tokens, int k, in
   return n;
 }
 
-__global__ void plan_count_kernel(const int32_t* topk_idx, int64_t num_tokens, int k, int E, int32_t* chunk_counts,
-                                  unsigned long long* error_key) {
-  __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
-  const int n = load_chunk(topk_idx, num_tokens, k, E, s_idx, error_key, true);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int count = 0;
-    for (int i = 0; i < n * k; ++i) count += s_idx[i] == e;
-    chunk_counts[static_cast<int64_t>(blockIdx.x) * E + e] = count;
-  }
-}
-
 __global__ void check_routing_kernel(const int32_t* topk_idx, int64_t num_tokens, int k, int E,
                                      unsigned long long* error_key) {
   __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
   load_chunk(topk_idx, num_tokens, k, E, s_idx, error_key, true);
 }
 
-// One block: per-expert exclusive scan over chunks, then the pool layout.
-__global__ void plan_scan_kernel(int num_chunks, int E, int32_t* chunk_counts, int32_t* expert_rows,
-                                 int32_t* expert_offset, int32_t* tile_expert, int32_t* row_src) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int running = 0;
-    for (int c = 0; c < num_chunks; ++c) {
-      const int v = chunk_counts[static_cast<int64_t>(c) * E + e];
-      chunk_counts[static_cast<int64_t>(c) * E + e] = running;
-      running += v;
-    }
-    expert_rows[e] = running;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int off = 0;
-    for (int e = 0; e < E; ++e) {
-      expert_offset[e] = off;
-      off += static_cast<int>(align_pool_rows(expert_rows[e]));
-    }
-    expert_offset[E] = off;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int begin = expert_offset[e], rows = expert_rows[e], end = expert_offset[e + 1];
-    for (int t = begin / kPoolRowAlign; t < end / kPoolRowAlign; ++t) tile_expert[t] = e;
-    for (int r = begin + rows; r < end; ++r) row_src[r] = -1;  // padding rows have no source
-  }
-}
-
-// Rows in (token, slot) order within each expert: the r-th route of this
-// chunk to expert e gets expert_offset[e] + chunk_base[e] + r.
-__global__ void plan_assign_kernel(const int32_t* topk_idx, int64_t num_tokens, int k, int E,
-                                   const int32_t* chunk_base, const int32_t* expert_offset, int32_t* route_row,
-                                   int32_t* row_src) {
-  __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
-  const int n = load_chunk(topk_idx, num_tokens, k, E, s_idx, nullptr, false);
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kPlanChunk * k;
-  for (int i = threadIdx.x; i < n * k; i += blockDim.x)
-    if (s_idx[i] < 0 || s_idx[i] >= E) route_row[r0 + i] = -1;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int row = expert_offset[e] + chunk_base[static_cast<int64_t>(blockIdx.x) * E + e];
-    for (int i = 0; i < n * k; ++i)
-      if (s_idx[i] == e) {
-        route_row[r0 + i] = row;
-        row_src[row] = static_cast<int32_t>(r0 + i);
-        ++row;
-      }
-  }
-}
-
-
-// The plan's kernels without a thread per expert walking the whole chunk
-// (plan_count's and plan_assign's O(E x 256 k) compares, a block of 1024
-// scanning each expert's chunks one by one): 20 + 24 + 45 us at
-// Qwen3-30B-A3B, 16384 tokens (compare_torch --kernels, session 36). The
-// same outputs, bit for bit. Only with -DMEGAMOE_FAST_PLAN=ON (session 36,
-// not yet run on a GPU): predicted ~20 us for the three.
+// The plan's three kernels (count, scan, assign) avoid a thread per expert
+// walking the whole chunk (the first version's O(E x 256 k) compares and a
+// 1024-thread block scanning each expert's chunks one by one: 20 + 24 + 45
+// us at Qwen3-30B-A3B, 16384 tokens; these: 7 + 26 + 9 us, compare_torch
+// --kernels, sessions 36-37). Rows in (token, slot) order within each expert.
 constexpr int kPlanThreads = 256, kPlanWarps = kPlanThreads / 32;
-constexpr int kCountGroup = 2048;  // experts one pass of plan_count_fast counts (8 KB of shared counters)
-constexpr int kRankGroup = 512;    // experts one pass of plan_assign_fast ranks (a warp's 2 KB row)
+constexpr int kCountGroup = 2048;  // experts one pass of plan_count counts (8 KB of shared counters)
+constexpr int kRankGroup = 512;    // experts one pass of plan_assign ranks (a warp's 2 KB row)
 static_assert(kPlanChunk * kMaxTopK * 4 + kPlanWarps * kRankGroup * 4 <= 48 * 1024,
-              "plan_assign_fast's routes and bases must fit the 48 KB of static shared memory");
+              "plan_assign's routes and bases must fit the 48 KB of static shared memory");
 
 // A chunk's per-expert route counts: shared counters, kCountGroup experts a pass.
-__global__ void __launch_bounds__(kPlanThreads) plan_count_fast_kernel(const int32_t* topk_idx, int64_t num_tokens,
-                                                                        int k, int E, int32_t* chunk_counts,
-                                                                        unsigned long long* error_key) {
+__global__ void __launch_bounds__(kPlanThreads) plan_count_kernel(const int32_t* topk_idx, int64_t num_tokens,
+                                                                   int k, int E, int32_t* chunk_counts,
+                                                                   unsigned long long* error_key) {
   __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
   __shared__ int32_t counts[kCountGroup];
   const int entries = load_chunk(topk_idx, num_tokens, k, E, s_idx, error_key, true) * k;
@@ -150,10 +87,10 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
 
 // One block: a warp per expert scans its chunk counts into exclusive bases
 // (32 chunks a step); the block scans the experts' aligned row counts into
-// expert_offset; then tile_expert and the padding rows, as plan_scan_kernel.
-__global__ void __launch_bounds__(1024) plan_scan_fast_kernel(int num_chunks, int E, int32_t* chunk_counts,
-                                                              int32_t* expert_rows, int32_t* expert_offset,
-                                                              int32_t* tile_expert, int32_t* row_src) {
+// expert_offset; then tile_expert and the padding rows.
+__global__ void __launch_bounds__(1024) plan_scan_kernel(int num_chunks, int E, int32_t* chunk_counts,
+                                                         int32_t* expert_rows, int32_t* expert_offset,
+                                                         int32_t* tile_expert, int32_t* row_src) {
   __shared__ int32_t warp_sums[32];
   __shared__ int32_t block_total;
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
@@ -198,16 +135,17 @@ __global__ void __launch_bounds__(1024) plan_scan_fast_kernel(int num_chunks, in
   }
 }
 
-// plan_assign_kernel's rows: warp w takes a contiguous segment of the
+// The r-th route of this chunk to expert e gets row expert_offset[e] +
+// chunk_base[e] + r: warp w takes a contiguous segment of the
 // chunk's routes, counts them per expert (__match_any_sync: the lowest lane
 // of each expert's lanes adds them up), the warps' counts become exclusive
 // bases in warp order (= route order), and each warp walks its segment
 // again, a route's row its expert's base plus its rank among the same
 // expert's lanes. kRankGroup experts a pass.
-__global__ void __launch_bounds__(kPlanThreads) plan_assign_fast_kernel(const int32_t* topk_idx, int64_t num_tokens,
-                                                                         int k, int E, const int32_t* chunk_base,
-                                                                         const int32_t* expert_offset,
-                                                                         int32_t* route_row, int32_t* row_src) {
+__global__ void __launch_bounds__(kPlanThreads) plan_assign_kernel(const int32_t* topk_idx, int64_t num_tokens,
+                                                                    int k, int E, const int32_t* chunk_base,
+                                                                    const int32_t* expert_offset,
+                                                                    int32_t* route_row, int32_t* row_src) {
   __shared__ int32_t s_idx[kPlanChunk * kMaxTopK];
   __shared__ int32_t bases[kPlanWarps][kRankGroup];
   const int entries = load_chunk(topk_idx, num_tokens, k, E, s_idx, nullptr, false) * k;
@@ -261,12 +199,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_assign_fast_kernel(const in
   }
 }
 
-#ifdef MEGAMOE_FAST_PLAN
-constexpr bool kFastPlan = true;
-#else
-constexpr bool kFastPlan = false;
-#endif
-
 }  // namespace
 
 Status check_routing(const int32_t* topk_idx, int64_t num_tokens, int top_k, int num_experts,
@@ -288,15 +220,15 @@ Status build_device_plan(const int32_t* topk_idx, int64_t num_tokens, int top_k,
   MEGAMOE_RETURN_IF_ERROR(
       cuda_status("plan: reset error key", cudaMemsetAsync(b.error_key, 0xFF, sizeof(unsigned long long), stream)));
   if (chunks > 0) {
-    (kFastPlan ? plan_count_fast_kernel : plan_count_kernel)<<<chunks, kPlanThreads, 0, stream>>>(
+    plan_count_kernel<<<chunks, kPlanThreads, 0, stream>>>(
         topk_idx, num_tokens, top_k, num_experts, b.chunk_counts, b.error_key);
     MEGAMOE_RETURN_IF_ERROR(check_launch("plan_count_kernel"));
   }
-  (kFastPlan ? plan_scan_fast_kernel : plan_scan_kernel)<<<1, 1024, 0, stream>>>(
+  plan_scan_kernel<<<1, 1024, 0, stream>>>(
       chunks, num_experts, b.chunk_counts, b.expert_rows, b.expert_offset, b.tile_expert, b.row_src);
   MEGAMOE_RETURN_IF_ERROR(check_launch("plan_scan_kernel"));
   if (chunks > 0) {
-    (kFastPlan ? plan_assign_fast_kernel : plan_assign_kernel)<<<chunks, kPlanThreads, 0, stream>>>(
+    plan_assign_kernel<<<chunks, kPlanThreads, 0, stream>>>(
         topk_idx, num_tokens, top_k, num_experts, b.chunk_counts, b.expert_offset, b.route_row, b.row_src);
     MEGAMOE_RETURN_IF_ERROR(check_launch("plan_assign_kernel"));
   }

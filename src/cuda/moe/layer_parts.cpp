@@ -162,8 +162,7 @@ Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, cons
 }
 
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens,
-                      bool store_pool) {
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, E = d.num_experts, C = c.capacity;
   GroupedGemmArgs gd = pool_gemm(GemmMode::kDownGrad, call, plan, C, c.xdy_pool, H, w2, E * H, I, I);
@@ -173,7 +172,6 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
   gd.out0 = c.dz_pool;
   gd.out1 = c.a_pool;
   gd.dw_partial = c.dw_partial;
-  if (store_pool) gd.gather_pool = c.xdy_pool;  // (dy's pool for dW2, as gather_rows would write it)
   // 128 x 256 tiles only when kDownGrad gathers dy's rows and I >= 1536:
   // pooled, they are 13% (30B) and 3% (235B) slower than 128 x 128;
   // gathering, 12% faster at 235B and 12% at Mixtral, 10% slower at 30B (I

@@ -63,11 +63,8 @@ Status data_grad_gemms(const LayerCall& call, const DevicePlan& plan, const Carv
                        const float* topk_weights, float* d_topk, int sms,
                        const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr, const void* dy_tokens = nullptr);
 // Its two halves: kDownGrad and the d topk_w reduction; kGateUpGrad's arguments.
-// store_pool (with dy_tokens): kDownGrad also writes the gathered rows to
-// c.xdy_pool for dW2 (GroupedGemmArgs::gather_pool).
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,
-                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr,
-                      bool store_pool = false);
+                      const float* topk_weights, float* d_topk, int sms, const void* dy_tokens = nullptr);
 
 // Token rows [T, width] into c.xdy_pool as a GEMM's side job (GroupedGemmArgs::side_gather).
 GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c);
