@@ -130,8 +130,8 @@ inline constexpr int kSmemBytes = 1024 + kStagesUsed<M, kFp8, kRing> * kStageByt
 // and each consumer's epilogue buffer kWideBoxes 128B-swizzled 64 x 64 boxes
 // (8 KB each). kGateUp passes z's gate and up halves and a through it on
 // their way out by TMA store: with 2 boxes (4 stages) one at a time, with 4
-// (3 stages) z's two halves at once, then a. kGateUpGrad passes its 256
-// columns through it in 128-column halves (kDown: kWideEpilogueBytesOf); kWeightGrad
+// (3 stages) z's two halves at once, then a. kDown passes its 256 columns
+// through it in 128-column halves, and kGateUpGrad the same; kWeightGrad
 // stores from registers (its buffers go unused). A consumer holds 64 tile
 // rows, so the row destinations (kDown, kGateUpGrad) take half the narrow
 // tiles' room.
@@ -141,20 +141,11 @@ inline constexpr int kWideEpilogueBytes = kWideBoxes * kBoxBytes;
 // kDownGrad's wide tiles (GroupedGemmArgs::wide_down_grad): a consumer's z
 // chunk is its 64 rows x a 128-column half of the tile (g and u: the narrow
 // tiles' 32 KB chunk, a column half instead of a row half), so two chunks of
-// 32 KB and 3 stages (208 KB; 4 would need 256). kDown's: a consumer stages
-// its 64 rows x 256 columns whole, rows padded to kWideStagingLd (16 extra
-// bytes: a warp's 8 rows on different banks), for bulk copies that run on
-// during the next tile (epilogues.cuh WideDownEpilogue): 33 KB each, so 3
-// stages too (213 KB).
-inline constexpr int kWideStagingLd = 2 * kBlockN + kStagePad;
+// 32 KB and 3 stages (208 KB; 4 would need 256).
 template <GemmMode M>
-inline constexpr int kWideStagesOf = M == GemmMode::kDownGrad || M == GemmMode::kDown ? 3 : kWideStages;
+inline constexpr int kWideStagesOf = M == GemmMode::kDownGrad ? 3 : kWideStages;
 template <GemmMode M>
-inline constexpr int kWideEpilogueBytesOf = M == GemmMode::kDownGrad ? kZChunkBytes
-                                            : M == GemmMode::kDown   ? kBlockM / 2 * kWideStagingLd * 2
-                                                                     : kWideEpilogueBytes;
-static_assert(kWideStagingLd * 2 % 16 == 0 && kWideStagingLd * 2 / 4 % 32 == 4,
-              "kDown's wide staging rows: 16-byte aligned for bulk copies, 4 banks apart");
+inline constexpr int kWideEpilogueBytesOf = M == GemmMode::kDownGrad ? kZChunkBytes : kWideEpilogueBytes;
 // Tile rows a consumer's row destinations cover, and their bytes for both consumers.
 template <bool kWide>
 inline constexpr int kRowDstRows = kWide ? kBlockM / 2 : kBlockM;

@@ -345,67 +345,19 @@ struct SlotEpilogue {
     return true;
   }
 };
-// kDown in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16; this GPU's slots
-// only, no peer_slots): consumer c holds rows [64c, 64c + 64) of the tile,
-// acc[h] their columns [128h, 128h + 128). Each row times its routing weight,
-// rounded to bf16 (the narrow epilogue's values), is staged whole in the
-// consumer's buffer ([64][kWideStagingLd] bf16: 528-byte rows, whose 16
-// extra bytes put the 8 rows of a warp's store on different banks) and
-// leaves as one 512-byte bulk copy to its source's slot [j, t], columns
-// 256n.., issued by thread r < 64 for row r. The copies run on while the
-// consumer starts its next tile; the next epilogue waits until they have
-// read the buffer (staging_free). Until session 37 the rows went out a
-// 128-column half at a time through a 16 KB buffer with 16-byte stores
-// (WideSlotEpilogue's way), the tensor cores idle all the while: the whole
-// tile's buffer costs the ring its fourth stage (kWideStagesOf).
-struct WideDownEpilogue {
-  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
-                                             EpilogueContext& ctx) const {
-    const GroupedGemmArgs& a = p.args;
-    const int tid = static_cast<int>(threadIdx.x & 127);
-    const int k = a.plan.top_k;
-    const int64_t T = a.plan.num_tokens, N = a.n;
-    auto* slots = static_cast<__nv_bfloat16*>(a.out0);
-    const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;  // (its load overlaps the barrier)
-    staging_free();  // the previous tile's copies have read the buffer; row_dst and row_w are free
-    if (tid < 64) {
-      const int32_t src = ctx.my_src;
-      ctx.row_dst[tid] = src < 0 ? nullptr : slots + ((src % k) * T + src / k) * N + tile.n * 256;
-      ctx.row_w[tid] = w;
-    }
-    consumer_sync();
-    float w_row[2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
-    __nv_bfloat16* staging = ctx.staging;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const float wq = w_row[(i >> 1) & 1];
-        *reinterpret_cast<__nv_bfloat162*>(staging + acc_row(0, i) * kWideStagingLd + 128 * h + acc_col(i)) =
-            __floats2bfloat162_rn(wq * acc[h][i], wq * acc[h][i + 1]);
-      }
-    fence_proxy_async_shared();  // the staged rows, toward the bulk copies (async proxy)
-    consumer_sync();
-    if (tid < 64) {
-      __nv_bfloat16* d = ctx.row_dst[tid];
-      if (d != nullptr) bulk_store(d, staging + tid * kWideStagingLd, 256 * sizeof(__nv_bfloat16));
-      bulk_commit_group();
-    }
-    return true;
-  }
-};
-
-// kGateUpGrad in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer c
-// holds rows [64c, 64c + 64) of the tile, acc[h] their columns [128h, 128h +
-// 128) of the tile's 256. Each row goes to its source's slot [j, t], columns
-// 256n..: a 128-column half at a time through the consumer's buffer (two
-// 128B-swizzled 64 x 64 boxes, HalfTilePlaces), then 16-byte stores, 16
-// lanes a row (whole 32-byte sectors). Threads 0-63 write the 64 rows'
-// destinations first (row_dst: [64] a consumer). This GPU's slots only (no
-// peer_slots).
+// kDown and kGateUpGrad in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16):
+// consumer c holds rows [64c, 64c + 64) of the tile, acc[h] their columns
+// [128h, 128h + 128) of the tile's 256. Each row (kDown: its routing weight
+// times it; rounded to bf16: the narrow epilogue's values) goes to its
+// source's slot [j, t], columns 256n..: a 128-column half at a time through
+// the consumer's buffer (two 128B-swizzled 64 x 64 boxes, HalfTilePlaces),
+// then 16-byte stores, 16 lanes a row (whole 32-byte sectors). Threads 0-63
+// write the 64 rows' destinations (and kDown's weights) first (row_dst /
+// row_w: [64] a consumer). This GPU's slots only (no peer_slots).
+template <GemmMode M>
 struct WideSlotEpilogue {
+  static_assert(M == GemmMode::kDown || M == GemmMode::kGateUpGrad, "the slot-writing modes");
+  static constexpr bool kWeights = M == GemmMode::kDown;
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& ctx) const {
     const GroupedGemmArgs& a = p.args;
@@ -413,21 +365,28 @@ struct WideSlotEpilogue {
     const int k = a.plan.top_k;
     const int64_t T = a.plan.num_tokens, N = a.n;
     auto* slots = static_cast<__nv_bfloat16*>(a.out0);
-    consumer_sync();  // every thread is done with the previous tile's row_dst and buffer
+    const float w = kWeights && ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;
+    consumer_sync();  // every thread is done with the previous tile's row_dst, row_w and buffer
     if (tid < 64) {
       const int32_t src = ctx.my_src;
       ctx.row_dst[tid] = src < 0 ? nullptr : slots + ((src % k) * T + src / k) * N + tile.n * 256;
+      if constexpr (kWeights) ctx.row_w[tid] = w;  // (kGateUpGrad's row destinations have no room for weights)
     }
     consumer_sync();
+    float w_row[2] = {1.0f, 1.0f};
+#pragma unroll
+    for (int q = 0; kWeights && q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
     const uint32_t buf = smem_u32(ctx.z_chunk);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (h > 0) consumer_sync();  // every thread has read the first half out of the buffer
       const HalfTilePlaces place;
 #pragma unroll
-      for (int i = 0; i < 64; i += 2)
+      for (int i = 0; i < 64; i += 2) {
+        const float wq = w_row[(i >> 1) & 1];
         *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
-            __floats2bfloat162_rn(acc[h][i], acc[h][i + 1]);
+            __floats2bfloat162_rn(wq * acc[h][i], wq * acc[h][i + 1]);
+      }
       consumer_sync();
 #pragma unroll 4
       for (int c = tid; c < 64 * 16; c += 128) {  // 16-byte chunk c % 16 of row c / 16

@@ -692,11 +692,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       stored = WeightGradEpilogue<true>{}(p, tile, acc, cw);
     } else if constexpr (kWide && M == GemmMode::kDownGrad) {
       stored = DownGradEpilogue<true>{}(p, tile, acc, ctx, cw);
-    } else if constexpr (kWide && M == GemmMode::kDown) {
-      stored = WideDownEpilogue{}(p, tile, acc, ctx);
     } else if constexpr (kWide) {
-      static_assert(M == GemmMode::kGateUpGrad, "the wide modes each have their epilogue");
-      stored = WideSlotEpilogue{}(p, tile, acc, ctx);
+      stored = WideSlotEpilogue<M>{}(p, tile, acc, ctx);
     } else {
       stored = Epilogue<M, kFp8>{}(p, tile, acc, ctx);  // FP8: the staged modes' plain stores (store_rows)
     }
