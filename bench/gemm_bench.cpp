@@ -159,6 +159,7 @@ int main(int argc, char** argv) {
   auto* z = dev_alloc<uint16_t>(C * 2 * I);
   auto* a_out = dev_alloc<uint16_t>(C * I);
   auto* slots = dev_alloc<uint16_t>(static_cast<size_t>(k) * T * H);
+  auto* y_pool = dev_alloc<uint16_t>(static_cast<size_t>(C) * H);  // kDown's rows in pool order (down_to_pool)
   // The backward's: dy pool (x's values stand in), the saved z, dz (kDownGrad's
   // output, kGateUpGrad's input: random here) and its FP8 rows.
   uint16_t* z_saved = random_bf16(C * 2 * I, 1.0f, 5);
@@ -276,6 +277,11 @@ int main(int argc, char** argv) {
   time_gemm("kGateUp bf16 noepi", no_epilogue(gate_up(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("kDown bf16", down(false), 2 * routes * Hd * Id);
   time_gemm("kDown bf16 noepi", no_epilogue(down(false)), 2 * routes * Hd * Id);
+  auto to_pool = [&](cuda::GroupedGemmArgs g) {
+    g.out0 = y_pool, g.down_to_pool = true;
+    return g;
+  };
+  time_gemm("kDown bf16 pool", to_pool(down(false)), 2 * routes * Hd * Id);
   time_gemm("kDown fp8", down(true), 2 * routes * Hd * Id);
   time_gemm("kDown fp8 kbs", scales_by_k_block(down(true), sa_kb), 2 * routes * Hd * Id);
   time_gemm("kDown fp8 noepi", no_epilogue(down(true)), 2 * routes * Hd * Id);

@@ -110,6 +110,7 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     b.row_src = alloc(C);
     ASSERT_TRUE(cuda::build_device_plan(static_cast<const int32_t*>(idx.view().data), T, k, E, b, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    route_row_dev = b.route_row, error_key_dev = b.error_key;
     plan.pool_rows = b.expert_offset + E;
     plan.tile_expert = b.tile_expert;
     plan.expert_offset = b.expert_offset;
@@ -369,6 +370,8 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
   DeviceTensor idx, weights;
   std::vector<DeviceTensor> bufs;
   cuda::DevicePlan plan;
+  const int32_t* route_row_dev = nullptr;  // the plan's, [T k]
+  const unsigned long long* error_key_dev = nullptr;
   cuda::DeviceErrorSink errors;  // device 0's, with the test bound (test_wait_timeout_ns)
   std::vector<int32_t> row_src, tile_expert, offsets, rows;
 };
@@ -479,6 +482,59 @@ TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
     expect_same_bytes({slots.bytes()}, [&] { run(g); },
                       [&] { run(narrow); }, N == H ? "in the slots (N = 256)" : "in the slots (N = 512)");
   }
+}
+
+// kDown into pool order (GroupedGemmArgs::down_to_pool): pool row r holds,
+// bit for bit, the slot row of its route (row_src[r] = t k + j: slot [j, t])
+// and padding rows hold zeros (the pool starts as 0xFF bytes: a row not
+// stored shows); the combine by route (combine_pool_rows) gives the slot
+// combine's bytes. Refused where the pool order does not apply.
+TEST_P(GroupedGemm, DownToPoolRowsAreTheSlotRows) {
+  for (const int64_t N : {H, int64_t{512}}) {
+    SCOPED_TRACE("N " + std::to_string(N));
+    Mat a, w2, slots, pool, y;
+    const cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
+    pool.make(C, N);
+    y.make(T, N);
+    cuda::GroupedGemmArgs to_pool = g;
+    to_pool.out0 = pool.dev.view().data, to_pool.down_to_pool = true;
+    ASSERT_EQ(cudaMemset(pool.dev.view().data, 0xFF, static_cast<size_t>(C * N * 2)), cudaSuccess);
+    run(g);
+    run(to_pool);
+    const std::vector<float> in_slots = slots.download(), in_pool = pool.download();
+    int64_t wrong = 0, real = 0;
+    for (int64_t r = 0; r < pool_rows; ++r) {
+      const int32_t s = row_src[r];
+      real += s >= 0;
+      for (int64_t c = 0; c < N; ++c) {
+        const float got = in_pool[r * N + c];
+        const float want = s < 0 ? 0.0f : in_slots[((s % k) * T + s / k) * N + c];
+        wrong += !(got == want);  // (NaN: the 0xFF fill, never stored)
+      }
+    }
+    EXPECT_EQ(wrong, 0) << "pool elements unlike their slot's (of " << pool_rows * N << ")";
+    int64_t routes = 0;  // the valid ones
+    for (int64_t i = 0; i < T * k; ++i) {
+      const auto e = static_cast<int64_t>(data.topk_idx.get(i));
+      routes += e >= 0 && e < E;
+    }
+    EXPECT_EQ(real, routes) << "every valid route has its pool row";
+    const auto* idx_dev = static_cast<const int32_t*>(idx.view().data);
+    expect_same_bytes({y.bytes()}, [&] {
+      MEGAMOE_ASSERT_OK(cuda::combine_slots(slots.dev.view().data, idx_dev, T, k, E, N, error_key_dev, errors,
+                                            y.dev.view().data, nullptr));
+    }, [&] {
+      MEGAMOE_ASSERT_OK(cuda::combine_pool_rows(pool.dev.view().data, route_row_dev, idx_dev, T, k, E, N,
+                                                error_key_dev, errors, y.dev.view().data, nullptr));
+    }, "combined from the pool by route");
+  }
+  Mat a, w2, slots;
+  cuda::GroupedGemmArgs bad = down_problem(a, w2, slots);
+  bad.down_to_pool = true, bad.narrow_tiles = true;
+  const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("down_to_pool"), std::string::npos) << st.to_string();
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
 TEST_P(GroupedGemm, DownKMajorWeightsIntoSlots) {

@@ -402,6 +402,55 @@ struct WideSlotEpilogue {
   }
 };
 
+// kDown in 128 x 256 tiles with GroupedGemmArgs::down_to_pool: consumer c's
+// rows [64c, 64c + 64) of the tile, each times its routing weight (0 for a
+// padding row), rounded to bf16 (the slot epilogues' values), go to the
+// same rows of out0 [C, n] in pool order by TMA, a 128-column half (acc[h])
+// at a time through the consumer's two 128B-swizzled boxes, as
+// WideGateUpEpilogue stores z: two 64 x 64 box stores a half instead of 64
+// row destinations and 16-byte stores. Threads 0-63 share the rows'
+// weights through row_w first.
+struct WidePoolDownEpilogue {
+  __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
+                                             EpilogueContext& ctx, int cw) const {
+    const GroupedGemmArgs& a = p.args;
+    const int tid = static_cast<int>(threadIdx.x & 127);
+    const int row = tile.m * kBlockM + 64 * cw, col0 = tile.n * 256;
+    const uint32_t buf = smem_u32(ctx.z_chunk);
+    const bool storer = tid == 0;
+    const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;  // (its load overlaps the barrier)
+    auto begin = [&] {  // the buffer's previous stores have read it (and every thread is done with row_w)
+      if (storer) bulk_wait_group_read<0>();
+      consumer_sync();
+    };
+    begin();
+    if (tid < 64) ctx.row_w[tid] = w;
+    consumer_sync();
+    float w_row[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h > 0) begin();
+      const HalfTilePlaces place;
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const float wq = w_row[(i >> 1) & 1];
+        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
+            __floats2bfloat162_rn(wq * acc[h][i], wq * acc[h][i + 1]);
+      }
+      fence_proxy_async_shared();  // every thread's writes, before the TMA stores read them
+      consumer_sync();
+      if (storer) {
+        tma_store_2d(ctx.out_map[0], ctx.z_chunk, col0 + 128 * h, row);
+        tma_store_2d(ctx.out_map[0], ctx.z_chunk + kBoxBytes, col0 + 128 * h + 64, row);
+        bulk_commit_group();
+      }
+    }
+    return true;
+  }
+};
+
 template <bool kDirect>
 struct Epilogue<GemmMode::kDown, kDirect> : SlotEpilogue<GemmMode::kDown, kDirect> {};
 template <bool kDirect>

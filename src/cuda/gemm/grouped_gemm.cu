@@ -692,6 +692,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       stored = WeightGradEpilogue<true>{}(p, tile, acc, cw);
     } else if constexpr (kWide && M == GemmMode::kDownGrad) {
       stored = DownGradEpilogue<true>{}(p, tile, acc, ctx, cw);
+    } else if constexpr (kWide && M == GemmMode::kDown) {
+      stored = p.args.down_to_pool ? WidePoolDownEpilogue{}(p, tile, acc, ctx, cw) : WideSlotEpilogue<M>{}(p, tile, acc, ctx);
     } else if constexpr (kWide) {
       stored = WideSlotEpilogue<M>{}(p, tile, acc, ctx);
     } else {
@@ -949,6 +951,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                     ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
                      (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr) ||
                      wide_bwd || wide_down_grad);
+  if (args.down_to_pool && !(wide && args.mode == GemmMode::kDown))
+    return invalid_argument(
+        "grouped GEMM: down_to_pool is for bf16 kDown in 128 x 256 tiles (n a multiple of 256, no peer_slots, "
+        "rows_ready or narrow_tiles)");
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64)
@@ -970,8 +976,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
   }
   // kDownGrad reads the saved z pool [C, 2I] and writes dz [C, 2I] and wa
   // [C, I] by TMA; wide kGateUp writes z [C, 2I] and a [C, I] by TMA (each
-  // when asked for). The other modes never touch these three maps.
+  // when asked for); kDown with down_to_pool its rows [C, n]. The other modes
+  // never touch these three maps.
   CUtensorMap map_z = map_a, map_out0 = map_a, map_out1 = map_a;
+  if (args.down_to_pool) MEGAMOE_RETURN_IF_ERROR(make_tma_2d_bf16_box64(args.out0, args.a_rows, args.n, &map_out0));
   if (args.mode == GemmMode::kDownGrad || (wide && args.mode == GemmMode::kGateUp)) {
     const int64_t I = args.intermediate;
     if (args.mode == GemmMode::kDownGrad)

@@ -155,6 +155,15 @@ struct GroupedGemmArgs {
   // same products summed in the same order). The backward's wide tiles:
   // kGateUpGrad -11%, dW2 -4%, dW13 -3% at Qwen3-235B-A22B (session 34).
   bool narrow_tiles = false;
+  // kDown in 128 x 256 tiles (bf16; n a multiple of 256; no peer_slots,
+  // rows_ready or narrow_tiles): out0 is [a_rows][n] bf16 in pool order, row
+  // r = pool row r's output times its routing weight (0 for padding rows),
+  // stored by TMA as 64 x 64 boxes, instead of the slots [top_k][T][n]; the
+  // layer then sums each token's rows route_row[t k + j] (combine_pool_rows).
+  // An experiment (the layer's -DMEGAMOE_DOWN_POOL, session 37, not yet run
+  // on a GPU): the slot rows' epilogue costs kDown ~207 of 856 us at 30B,
+  // kGateUp's TMA stores ~95 us for more bytes.
+  bool down_to_pool = false;
   // M-grouped modes (held tiles too): walk each expert's tiles rows first
   // (all its 128-row tiles of one column tile, then the next column tile)
   // instead of columns first. Concurrently running tiles then share a few

@@ -103,6 +103,20 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
   g.gather = which, g.gather_tokens = d.tokens;
 }
 
+// The bf16 forward's kDown writes its rows in pool order, into x's pool
+// (which kGateUp has finished reading), and the combine sums them by route
+// (GroupedGemmArgs::down_to_pool, combine_pool_rows), instead of slots
+// [j][t]: an experiment, -DMEGAMOE_DOWN_POOL=ON (session 37, not yet run on
+// a GPU; kDown's slot epilogue costs ~207 of its 856 us at 30B).
+#ifdef MEGAMOE_DOWN_POOL
+constexpr bool kDownPool = true;
+#else
+constexpr bool kDownPool = false;
+#endif
+bool down_in_pool(const LayerDims& d, const Carved& c) {
+  return kDownPool && !fp8_forward(d) && d.hidden % 256 == 0 && c.xdy_pool != nullptr;
+}
+
 // x gathered into the pool (or by the GEMM: gathers_rows; or by its idle
 // producer warps, its tiles held on the rows' counts: side jobs), then
 // GEMM1 + SwiGLU in the forward's precision: z into z_pool, a into a_pool
@@ -143,6 +157,7 @@ Status down(const LayerCall& call, const DevicePlan& plan, const Carved& c, cons
   GroupedGemmArgs g = pool_gemm(GemmMode::kDown, call, plan, c.capacity, c.a_pool, d.intermediate, w2,
                                 d.num_experts * d.hidden, d.intermediate, d.hidden);
   g.topk_weights = topk_weights, g.out0 = c.slots;
+  if (down_in_pool(d, c)) g.out0 = c.xdy_pool, g.down_to_pool = true;
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
@@ -211,6 +226,9 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, z_keep, c.a_pool, sms));
   MEGAMOE_RETURN_IF_ERROR(down(call, plan, c, f, in.w2, in.topk_weights, sms));
 
+  if (down_in_pool(d, c))
+    return combine_pool_rows(c.xdy_pool, c.pv.plan.route_row, in.topk_idx, T, d.top_k, d.num_experts, H,
+                             c.pv.plan.error_key, call.errors, y, call.stream);
   return combine_slots(c.slots, in.topk_idx, T, d.top_k, d.num_experts, H, c.pv.plan.error_key, call.errors, y,
                        call.stream);
 }

@@ -31,9 +31,10 @@ __global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, con
   }
 }
 
-__global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, const int32_t* topk_idx, int64_t T,
-                                     int k, int E, int64_t chunks_per_row, const unsigned long long* error_key,
-                                     DeviceErrorSink errors, uint4* out) {
+// Route j of token t's rows: slot plane j (route_row null) or pool row route_row[t k + j].
+__global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, const int32_t* route_row,
+                                     const int32_t* topk_idx, int64_t T, int k, int E, int64_t chunks_per_row,
+                                     const unsigned long long* error_key, DeviceErrorSink errors, uint4* out) {
   const unsigned long long key = *error_key;
   const bool failed = key != kNoPlanError;
   if (failed && blockIdx.x == 0 && threadIdx.x == 0) report_failed_plan(errors, key, topk_idx, T, k, E);
@@ -45,7 +46,12 @@ __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, con
     for (int j = 0; j < k; ++j) {
       const int32_t e = topk_idx[t * k + j];
       if (e < 0 || e >= E) continue;
-      add_slot_chunk(acc, slots[j * slot_plane + i]);
+      if (route_row == nullptr) {
+        add_slot_chunk(acc, slots[j * slot_plane + i]);
+      } else {
+        const int32_t row = route_row[t * k + j];
+        if (row >= 0) add_slot_chunk(acc, slots[row * chunks_per_row + i % chunks_per_row]);
+      }
     }
     out[i] = finish_slot_chunk(acc, failed);
   }
@@ -83,9 +89,20 @@ Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tok
   if (slot_tokens < num_tokens) return internal_error("combine_slots: fewer slot rows than tokens");
   const int64_t chunks = width / 8;
   combine_slots_kernel<<<grid_for(num_tokens * chunks), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(slots), slot_tokens * chunks, topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
-      errors, static_cast<uint4*>(out));
+      static_cast<const uint4*>(slots), slot_tokens * chunks, nullptr, topk_idx, num_tokens, top_k, num_experts, chunks,
+      error_key, errors, static_cast<uint4*>(out));
   return check_launch("combine_slots_kernel");
+}
+
+Status combine_pool_rows(const void* rows, const int32_t* route_row, const int32_t* topk_idx, int64_t num_tokens,
+                         int top_k, int num_experts, int64_t width, const unsigned long long* error_key,
+                         const DeviceErrorSink& errors, void* out, cudaStream_t stream) {
+  if (num_tokens == 0) return Status::Ok();
+  const int64_t chunks = width / 8;
+  combine_slots_kernel<<<grid_for(num_tokens * chunks), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(rows), 0, route_row, topk_idx, num_tokens, top_k, num_experts, chunks, error_key,
+      errors, static_cast<uint4*>(out));
+  return check_launch("combine_slots_kernel (pool rows)");
 }
 
 Status reduce_route_partials(const float* partial, int n_parts, const int32_t* route_row, int64_t num_routes,

@@ -25,6 +25,14 @@ Status combine_slots(const void* slots, const int32_t* topk_idx, int64_t num_tok
                      int64_t width, const unsigned long long* error_key, const DeviceErrorSink& errors, void* out,
                      cudaStream_t stream, int64_t slot_tokens = 0);
 
+// combine_slots over rows in pool order (GroupedGemmArgs::down_to_pool): route
+// j of token t is row route_row[t k + j] of rows [capacity][width] bf16 (the
+// plan's), summed in j order with the same arithmetic (bit for bit the slot
+// sums when the rows are the slots' rows).
+Status combine_pool_rows(const void* rows, const int32_t* route_row, const int32_t* topk_idx, int64_t num_tokens,
+                         int top_k, int num_experts, int64_t width, const unsigned long long* error_key,
+                         const DeviceErrorSink& errors, void* out, cudaStream_t stream);
+
 // d_topk_w[t, j] = sum_n partial[route_row[t, j], n] (n in order), 0 for no route; NaN on a routing error.
 Status reduce_route_partials(const float* partial, int n_parts, const int32_t* route_row, int64_t num_routes,
                              const unsigned long long* error_key, float* out, cudaStream_t stream);
