@@ -951,10 +951,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                     ((args.mode == GemmMode::kGateUp && args.intermediate % 128 == 0 && args.n % 128 == 0) ||
                      (args.mode == GemmMode::kDown && args.n % 256 == 0 && args.peer_slots.rank_buffers == nullptr) ||
                      wide_bwd || wide_down_grad);
-  if (args.down_to_pool && !(wide && args.mode == GemmMode::kDown))
+  if (args.down_to_pool && !(wide && args.mode == GemmMode::kDown && args.out0 != nullptr))
     return invalid_argument(
         "grouped GEMM: down_to_pool is for bf16 kDown in 128 x 256 tiles (n a multiple of 256, no peer_slots, "
-        "rows_ready or narrow_tiles)");
+        "rows_ready or narrow_tiles) into out0");
   // kGateUp: each 128-column tile holds 64 gate and the matching 64 up columns
   // (wide: each 256-column tile 128 and 128).
   p.n_tiles = static_cast<int>(args.mode == GemmMode::kGateUp ? args.n / (wide ? 128 : 64)

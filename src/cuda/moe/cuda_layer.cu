@@ -149,7 +149,8 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
-// GEMM2 x routing weight into the slots, in the forward's precision.
+// GEMM2 x routing weight into the slots (down_in_pool: into x's pool, in
+// pool order), in the forward's precision.
 Status down(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* w2,
             const float* topk_weights, int sms) {
   if (fp8_forward(call.dims)) return fp8_down(call, plan, c, f, w2, topk_weights, sms);

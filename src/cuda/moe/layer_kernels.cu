@@ -50,7 +50,7 @@ __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, con
         add_slot_chunk(acc, slots[j * slot_plane + i]);
       } else {
         const int32_t row = route_row[t * k + j];
-        if (row >= 0) add_slot_chunk(acc, slots[row * chunks_per_row + i % chunks_per_row]);
+        if (row >= 0) add_slot_chunk(acc, slots[row * chunks_per_row + (i - t * chunks_per_row)]);
       }
     }
     out[i] = finish_slot_chunk(acc, failed);
