@@ -301,6 +301,7 @@ int main(int argc, char** argv) {
   time_gemm("kGateUpGrad fp8", gate_up_grad(true), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8 kbs", scales_by_k_block(gate_up_grad(true), sdz_kb), 2 * routes * 2 * Id * Hd);
   time_gemm("kGateUpGrad fp8 noepi", no_epilogue(gate_up_grad(true)), 2 * routes * 2 * Id * Hd);
+  time_gemm("kGateUpGrad bf16 noepi", no_epilogue(gate_up_grad(false)), 2 * routes * 2 * Id * Hd);
   time_gemm("dW2 bf16", wgrad(false, H, I, x, a, nullptr, nullptr, nullptr, nullptr), 2 * routes * Hd * Id);
   time_gemm("dW2 fp8", wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t), 2 * routes * Hd * Id);
   time_gemm("dW2 fp8 noepi", no_epilogue(wgrad(true, H, I, nullptr, nullptr, xq_t, xs_t, aq_t, as_t)),
