@@ -226,6 +226,44 @@ struct Epilogue<GemmMode::kGateUp, kDirect> {
   }
 };
 
+// A consumer's 64 tile rows [row, row + 64) out in pool order through its
+// buffer of 128B-swizzled 64 x 64 boxes (HalfTilePlaces) by TMA box stores,
+// issued by thread 0 of the warpgroup: the wide epilogues of pool-order
+// outputs (kGateUp's z and a, kDown's rows with down_to_pool).
+struct BoxStores {
+  uint8_t* buffer;
+  int row;
+  __device__ __forceinline__ BoxStores(uint8_t* buf, int first_row) : buffer(buf), row(first_row) {}
+  __device__ __forceinline__ static bool storer() { return (threadIdx.x & 127) == 0; }
+  // The buffer's previous stores have read it (and every thread is past what it did before).
+  __device__ __forceinline__ void begin() const {
+    if (storer()) bulk_wait_group_read<0>();
+    consumer_sync();
+  }
+  // value(i), value(i + 1) of every accumulator pair into boxes b, b + 1.
+  template <typename Value>
+  __device__ __forceinline__ void stage(int b, Value value) const {
+    const uint32_t buf = smem_u32(buffer);
+    const HalfTilePlaces place;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2)
+      *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + b * kBoxBytes + place(i))) =
+          __floats2bfloat162_rn(value(i), value(i + 1));
+  }
+  // Every thread's writes, before the TMA stores read them.
+  __device__ __forceinline__ void publish() const {
+    fence_proxy_async_shared();
+    consumer_sync();
+  }
+  // Boxes b, b + 1 to columns c0, c0 + 64 of `map`.
+  __device__ __forceinline__ void store(const CUtensorMap* map, int b, int c0) const {
+    if (!storer()) return;
+    tma_store_2d(map, buffer + b * kBoxBytes, c0, row);
+    tma_store_2d(map, buffer + (b + 1) * kBoxBytes, c0 + 64, row);
+    bulk_commit_group();
+  }
+};
+
 // kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer cw
 // holds rows [64 cw, 64 cw + 64) of the tile, acc[0] their 128 gate columns
 // and acc[1] the matching 128 up columns (a-columns 128 n + c: register i of
@@ -242,55 +280,32 @@ struct WideGateUpEpilogue {
                                              EpilogueContext& ctx, int cw) const {
     const GroupedGemmArgs& a = p.args;
     const int I = static_cast<int>(a.intermediate);
-    const int row = tile.m * kBlockM + 64 * cw, col0 = tile.n * 128;
-    const uint32_t buf = smem_u32(ctx.z_chunk);
-    const bool storer = (threadIdx.x & 127) == 0;
-    auto begin = [&] {  // the buffer's previous stores have read it
-      if (storer) bulk_wait_group_read<0>();
-      consumer_sync();
-    };
-    // value(i), value(i + 1) of every accumulator pair into boxes b, b + 1.
-    auto stage = [&](int b, auto value) {
-      const HalfTilePlaces place;
-#pragma unroll
-      for (int i = 0; i < 64; i += 2)
-        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + b * kBoxBytes + place(i))) =
-            __floats2bfloat162_rn(value(i), value(i + 1));
-    };
-    auto publish = [&] {  // every thread's writes, before the TMA stores read them
-      fence_proxy_async_shared();
-      consumer_sync();
-    };
-    auto store = [&](const CUtensorMap* map, int b, int c0) {  // boxes b, b + 1 to columns c0, c0 + 64
-      if (!storer) return;
-      tma_store_2d(map, ctx.z_chunk + b * kBoxBytes, c0, row);
-      tma_store_2d(map, ctx.z_chunk + (b + 1) * kBoxBytes, c0 + 64, row);
-      bulk_commit_group();
-    };
+    const int col0 = tile.n * 128;
+    const BoxStores out(ctx.z_chunk, tile.m * kBlockM + 64 * cw);
     auto gate = [&](int i) { return acc[0][i]; };
     auto up = [&](int i) { return acc[1][i]; };
     if (a.out0 != nullptr) {  // z: gate columns at 128 n, up columns I further on
-      begin();
-      stage(0, gate);
+      out.begin();
+      out.stage(0, gate);
       if constexpr (kWideBoxes >= 4) {
-        stage(2, up);
-        publish();
-        store(ctx.out_map[0], 0, col0);
-        store(ctx.out_map[0], 2, I + col0);
+        out.stage(2, up);
+        out.publish();
+        out.store(ctx.out_map[0], 0, col0);
+        out.store(ctx.out_map[0], 2, I + col0);
       } else {
-        publish();
-        store(ctx.out_map[0], 0, col0);
-        begin();
-        stage(0, up);
-        publish();
-        store(ctx.out_map[0], 0, I + col0);
+        out.publish();
+        out.store(ctx.out_map[0], 0, col0);
+        out.begin();
+        out.stage(0, up);
+        out.publish();
+        out.store(ctx.out_map[0], 0, I + col0);
       }
     }
     if (a.out1 != nullptr) {  // null when the backward recomputes z only
-      begin();
-      stage(0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
-      publish();
-      store(ctx.out_map[1], 0, col0);
+      out.begin();
+      out.stage(0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
+      out.publish();
+      out.store(ctx.out_map[1], 0, col0);
     }
     return true;
   }
@@ -415,15 +430,9 @@ struct WidePoolDownEpilogue {
                                              EpilogueContext& ctx, int cw) const {
     const GroupedGemmArgs& a = p.args;
     const int tid = static_cast<int>(threadIdx.x & 127);
-    const int row = tile.m * kBlockM + 64 * cw, col0 = tile.n * 256;
-    const uint32_t buf = smem_u32(ctx.z_chunk);
-    const bool storer = tid == 0;
+    const BoxStores out(ctx.z_chunk, tile.m * kBlockM + 64 * cw);
     const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;  // (its load overlaps the barrier)
-    auto begin = [&] {  // the buffer's previous stores have read it (and every thread is done with row_w)
-      if (storer) bulk_wait_group_read<0>();
-      consumer_sync();
-    };
-    begin();
+    out.begin();  // (also: every thread is done with the previous tile's row_w)
     if (tid < 64) ctx.row_w[tid] = w;
     consumer_sync();
     float w_row[2];
@@ -431,21 +440,10 @@ struct WidePoolDownEpilogue {
     for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (h > 0) begin();
-      const HalfTilePlaces place;
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const float wq = w_row[(i >> 1) & 1];
-        *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(i))) =
-            __floats2bfloat162_rn(wq * acc[h][i], wq * acc[h][i + 1]);
-      }
-      fence_proxy_async_shared();  // every thread's writes, before the TMA stores read them
-      consumer_sync();
-      if (storer) {
-        tma_store_2d(ctx.out_map[0], ctx.z_chunk, col0 + 128 * h, row);
-        tma_store_2d(ctx.out_map[0], ctx.z_chunk + kBoxBytes, col0 + 128 * h + 64, row);
-        bulk_commit_group();
-      }
+      if (h > 0) out.begin();
+      out.stage(0, [&](int i) { return w_row[(i >> 1) & 1] * acc[h][i]; });  // (i, i + 1: one row, one weight)
+      out.publish();
+      out.store(ctx.out_map[0], 0, tile.n * 256 + 128 * h);
     }
     return true;
   }
