@@ -19,45 +19,27 @@ constexpr int kThreads = 256;
 int blocks_for(int64_t units) { return static_cast<int>(units < 4096 ? (units > 0 ? units : 1) : 4096); }
 int grid_for(int64_t work) { return blocks_for((work + kThreads - 1) / kThreads); }
 
-// The two row kernels below walk units of (row or row group, 256-chunk
-// segment), one block a unit, so that a thread finds its row with one
-// block-uniform division (not a 64-bit division per chunk), and issue all
-// their loads before the first use. Before (session 38): a thread a chunk,
-// one 16-byte load in flight behind a dependent index load and a 64-bit
-// division: gather 252 us, combine 174 us at Qwen3-30B-A3B, 16384 tokens
-// (each moves ~604 MB: ~2.4 and ~3.5 TB/s of the H200's ~4.8).
-constexpr int kGatherRows = 4;  // pool rows a gather_rows thread moves a unit
-
-__global__ void gather_rows_kernel(const uint4* src, int chunks_per_row, const int32_t* row_src, int k,
+// One thread a 16-byte chunk. Walking (4-row group, 256-chunk segment)
+// units with all loads first measured the same 253 us at Qwen3-30B-A3B
+// (16384 tokens; session 38), so the simple form stays.
+__global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, const int32_t* row_src, int k,
                                    const int32_t* pool_rows, uint4* pool) {
-  const int rows = *pool_rows;
-  const int segs = (chunks_per_row + kThreads - 1) / kThreads;
-  const int64_t units = static_cast<int64_t>((rows + kGatherRows - 1) / kGatherRows) * segs;
-  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const int group = static_cast<int>(u / segs);
-    const int c = static_cast<int>(u % segs) * kThreads + static_cast<int>(threadIdx.x);
-    if (c >= chunks_per_row) continue;
-    int32_t s[kGatherRows];
-#pragma unroll
-    for (int q = 0; q < kGatherRows; ++q) {
-      const int r = group * kGatherRows + q;
-      s[q] = r < rows ? row_src[r] : -1;
-    }
-    uint4 v[kGatherRows];
-#pragma unroll
-    for (int q = 0; q < kGatherRows; ++q)
-      v[q] = s[q] >= 0 ? src[static_cast<int64_t>(s[q] / k) * chunks_per_row + c] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int q = 0; q < kGatherRows; ++q) {
-      const int r = group * kGatherRows + q;
-      if (r < rows) pool[static_cast<int64_t>(r) * chunks_per_row + c] = v[q];
-    }
+  const int64_t total = static_cast<int64_t>(*pool_rows) * chunks_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks_per_row, c = i % chunks_per_row;
+    const int32_t s = row_src[r];
+    pool[i] = s >= 0 ? src[(s / k) * chunks_per_row + c] : make_uint4(0, 0, 0, 0);
   }
 }
 
 // Route j of token t's rows: slot plane j (route_row null) or pool row
-// route_row[t k + j]. A thread loads up to kCombineBatch of its chunk's rows
-// at once, then adds them in j order (the sum's order, so its bits, stay).
+// route_row[t k + j]. A block a (token, 256-chunk segment) unit (one
+// block-uniform division, not a 64-bit one a chunk); a thread loads up to
+// kCombineBatch of its chunk's rows at once, then adds them in j order (the
+// sum's order, so its bits, stay). One load in flight a thread, behind a
+// dependent index load, took 172 us at Qwen3-30B-A3B, 16384 tokens (pool
+// rows; 155 this way, 604 MB: ~3.9 TB/s; session 38).
 constexpr int kCombineBatch = 8;
 
 __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, const int32_t* route_row,
@@ -119,9 +101,8 @@ __global__ void reduce_route_partials_kernel(const float* partial, int n_parts, 
 
 Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int top_k, const int32_t* pool_rows,
                    int64_t capacity, void* pool, cudaStream_t stream) {
-  const int chunks = static_cast<int>(width / 8);  // 16-byte chunks of bf16
-  const int64_t segs = (chunks + kThreads - 1) / kThreads;
-  gather_rows_kernel<<<blocks_for((capacity + kGatherRows - 1) / kGatherRows * segs), kThreads, 0, stream>>>(
+  const int64_t chunks = width / 8;  // 16-byte chunks of bf16
+  gather_rows_kernel<<<grid_for(capacity * chunks / 4), kThreads, 0, stream>>>(
       static_cast<const uint4*>(src), chunks, row_src, top_k, pool_rows, static_cast<uint4*>(pool));
   return check_launch("gather_rows_kernel");
 }
