@@ -608,26 +608,47 @@ def flops(shape: Shape, routes: float, bwd_per_route: int) -> dict[str, float]:
     return {"fwd": 6 * unit, "bwd": bwd_per_route * unit, "fwd+bwd": (6 + bwd_per_route) * unit}
 
 
-def profile_kernels(impl: TorchImpl) -> dict[str, list[dict[str, Any]]]:
-    """--kernels: the GPU kernels of one forward and of one backward (rotation
-    slot 0, after the timing: warm), each with its duration on the GPU's clock
-    (torch.profiler / CUPTI), in launch order. Where a backend's time goes,
-    kernel by kernel, beside the others' in the same run."""
+def profile_kernels(impl: TorchImpl, calls: int = 5) -> dict[str, Any]:
+    """--kernels: the GPU kernels of a forward and of a backward (rotation slot
+    0, after the timing: warm), in launch order, each with its duration on the
+    GPU's clock (torch.profiler / CUPTI): the median, kernel by kernel, of
+    `calls` forward + backward pairs run back to back (the host ahead of the
+    GPU, as in training; one call each, as before session 38, read megamoe's
+    kGateUp at 1413 us in one session and 1521 in the next). Where a backend's
+    time goes, beside the others' in the same run. When the pairs do not
+    launch the same kernels each time, one synced call each is listed
+    ("sustained": false)."""
     from torch.profiler import ProfilerActivity, profile
+
+    def gpu_events(prof) -> list:
+        return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and e.device_time_total > 0), key=lambda e: e.time_range.start)
 
     def kernels(call: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]]]:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = call()
             torch.cuda.synchronize()
-        evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and e.device_time_total > 0), key=lambda e: e.time_range.start)
-        return out, [{"name": e.name, "us": e.device_time_total} for e in evs]
+        return out, [{"name": e.name, "us": e.device_time_total} for e in gpu_events(prof)]
 
     state, fwd = kernels(lambda: impl.fwd(0))
     grads, bwd = kernels(lambda: impl.bwd(state, 0))
     del state, grads
-    return {"fwd": fwd, "bwd": bwd}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            state = impl.fwd(0)
+            grads = impl.bwd(state, 0)
+            del state, grads
+        torch.cuda.synchronize()
+    evs, per = gpu_events(prof), len(fwd) + len(bwd)
+    same = len(evs) == calls * per and all(
+        evs[c * per + i].name == k["name"] for c in range(calls) for i, k in enumerate(fwd + bwd))
+    if not same:
+        return {"fwd": fwd, "bwd": bwd, "sustained": False}
+    med = [statistics.median(evs[c * per + i].device_time_total for c in range(calls)) for i in range(per)]
+    return {"fwd": [dict(k, us=med[i]) for i, k in enumerate(fwd)],
+            "bwd": [dict(k, us=med[len(fwd) + i]) for i, k in enumerate(bwd)],
+            "sustained": True, "calls": calls}
 
 
 def short_kernel_name(name: str, width: int = 90) -> str:
@@ -651,7 +672,9 @@ def print_kernels(records: list[dict]):
                 print(f"\nkernels: {sh['preset']} T={sh['tokens']} {b}: profiler failed: {r['kernels_error']}")
             if not ks:
                 continue
-            print(f"\nkernels: {sh['preset']} T={sh['tokens']} {b} (one call each, warm, us on the GPU's clock)")
+            how = (f"medians of {ks['calls']} forward + backward pairs back to back" if ks.get("sustained")
+                   else "one call each after a sync")
+            print(f"\nkernels: {sh['preset']} T={sh['tokens']} {b} ({how}, warm, us on the GPU's clock)")
             for phase in ("fwd", "bwd"):
                 rows = ks.get(phase) or []
                 for i, k in enumerate(rows):
@@ -998,7 +1021,8 @@ def parse_args(argv=None):
                    help="add the rows of earlier runs' --json files where this run has none that ran (marked *)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--kernels", action="store_true",
-                   help="also list each backend's kernels of one forward and one backward (torch.profiler)")
+                   help="also list each backend's kernels of a forward and a backward: medians of 5 pairs "
+                        "back to back (torch.profiler)")
     args = p.parse_args(argv)
     if args.backend:  # child
         if not args.json or len(args.preset or []) != 1 or len(args.tokens or []) != 1:

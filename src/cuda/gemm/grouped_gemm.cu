@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRingBytes = kScaleRingBytes<M, kFp8, kRing>;
   constexpr int R = kSplitRings ? S / 2 : S;  // stages of one consumer's ring
   static_assert(!(kSplitRings && (kPair || kHoldRows)), "split rings: one CTA per tile, no row holds");
-  static_assert(!kWide || (!kFp8 && (!kPair || M == GemmMode::kDown) && !kBT && (!kHoldRows || M == GemmMode::kGateUp)),
-                "wide tiles: bf16, B as given, one CTA a tile (kDown: or pairs), no row holds but kGateUp's");
+  static_assert(!kWide || (!kFp8 && !kPair && !kBT && (!kHoldRows || M == GemmMode::kGateUp)),
+                "wide tiles: bf16, B as given, one CTA a tile, no row holds but kGateUp's");
   static_assert(kGather == kGatherNone ||
                     (!kFp8 && !kHoldRows &&
                      (kGather == kGatherA ? M == GemmMode::kGateUp || (M == GemmMode::kDownGrad && !kBT) ||
@@ -387,8 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < S; ++s) {
       mbar_init(&ring.full[s], kGather != kGatherNone ? 1 + 128 : 1);  // + each gathering thread's
       // one arrival per warp (per lane with kLaneRelease) of the consumer(s) that read the stage
-      // (pairs: the peer's warps too)
-      mbar_init(&ring.empty[s], kLaneRelease ? 128 : (kPair && kWide) ? 16 : kPair || kWide ? 8 : 4);
+      mbar_init(&ring.empty[s], kLaneRelease ? 128 : kPair || kWide ? 8 : 4);
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&order.bar[c], 1);
@@ -793,15 +792,6 @@ Status launch_mode(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
 
 }  // namespace
 
-// An experiment (session 38): the wide bf16 kDown in CTA pairs sharing A by
-// multicast (SonicMoE's down GEMM runs in clusters of two along N), built
-// with -DMEGAMOE_DOWN_PAIRS=ON.
-#ifdef MEGAMOE_DOWN_PAIRS
-constexpr bool kWideDownPairs = true;
-#else
-constexpr bool kWideDownPairs = false;
-#endif
-
 Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_t stream) {
   using Gather = GroupedGemmArgs::Gather;
   if (args.gather != Gather::kNone) {
@@ -1030,10 +1020,6 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
     if constexpr (m == GemmMode::kGateUp)
       if (wide && args.rows_ready != nullptr)
         return launch_mode<m, false, true, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
-                                                                      num_sms, stream);
-    if constexpr (m == GemmMode::kDown && kWideDownPairs)  // tiles 2i, 2i + 1 share rows unless rows_first
-      if (wide && pair && !args.rows_first)
-        return launch_mode<m, true, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,
                                                                       num_sms, stream);
     if (wide)
       return launch_mode<m, false, false, false, false, false, true>(map_a, map_b, map_z, map_out0, map_out1, p,

@@ -106,8 +106,8 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
 // The bf16 forward's kDown writes its rows in pool order, into x's pool
 // (which kGateUp has finished reading), and the combine sums them by route
 // (GroupedGemmArgs::down_to_pool, combine_pool_rows), instead of slots
-// [j][t] (-DMEGAMOE_DOWN_POOL, on by default: kDown -5% at 30B, -4% at
-// 235B, session 38; OFF only to measure against).
+// [j][t]: an experiment, -DMEGAMOE_DOWN_POOL=ON (session 38: kDown -5% at
+// 30B, -4% at 235B, the forward -2..-3%, but fwd+bwd at 30B ~1% slower).
 #ifdef MEGAMOE_DOWN_POOL
 constexpr bool kDownPool = true;
 #else
