@@ -2,11 +2,13 @@
 """Where one megamoe forward + backward spends its wall time, kernel by kernel.
 
 Runs megamoe.moe forward + backward on one GPU under torch.profiler (CUPTI),
-after warm-ups, and prints each kernel of the last iteration with its start,
-duration and the idle gap before it, then the totals: span (first kernel's
-start to last kernel's end), sum of kernel times, sum of gaps. The span minus
-the kernel sum is what launch gaps and serialisation cost; it is the part that
-programmatic dependent launch or fewer launches can win back.
+after warm-ups, --iters steps back to back, and prints each kernel's median
+duration and median idle gap before it (with the last step's start times),
+then the totals: span (kernels plus gaps), sum of kernel times, sum of gaps.
+The gaps are what launch gaps and serialisation cost; they are the part
+that programmatic dependent launch or fewer launches can win back. Two
+libraries built with different options (MEGAMOE_LIBRARY) compare kernel by
+kernel in the sequence a training step runs (scripts/device-timeline).
 
   python3 bench/kernel_timeline.py --preset qwen3-30b-a3b --tokens 16384 [--json out.json]
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,9 +34,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=3, help="profiled iterations (the last one is printed)")
-    p.add_argument("--json", help="write the last iteration's kernels here")
+    p.add_argument("--iters", type=int, default=10, help="profiled iterations (medians over them are printed)")
+    p.add_argument("--json", help="write the kernels' medians here")
     args = p.parse_args()
+    if args.iters < 2:
+        p.error("--iters: at least 2 (the first kernel's gap is measured after an earlier step)")
 
     cfg = PRESETS[args.preset]
     T, H, I, E, k = (args.tokens, cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"],
@@ -58,8 +64,6 @@ def main() -> int:
     # back to back (the host runs ahead, as in training), each after a sync (the
     # GPU starts idle: host launch latency counts), and the host's own time to
     # queue one step (perf_counter around step() without a sync).
-    import statistics
-    import time
 
     def event_ms(sync_each: bool, n: int = 20) -> float:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
@@ -88,35 +92,44 @@ def main() -> int:
     synced, host = event_ms(True)
     print(f"CUDA events, median of 20: back to back {b2b:.3f} ms   synced each {synced:.3f} ms   "
           f"host time to queue one step {host:.3f} ms")
-    marks = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
             step()
         torch.cuda.synchronize()
     megamoe.check()
 
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
                      key=lambda e: e.time_range.start)
-    # The last iteration: kernels after the last iteration's start, found as the
-    # largest gap before it is not reliable; split the list into args.iters equal parts.
+    # Each iteration launches the same kernels: split the list into args.iters
+    # equal parts and take, kernel by kernel, the median duration and the
+    # median idle gap before it (the first kernel's gap: after the previous
+    # iteration's last). The last iteration's start times are printed.
     per = len(kernels) // args.iters
-    last = kernels[-per:]
-    t0 = last[0].time_range.start
-    rows, prev_end, busy = [], None, 0.0
-    print(f"{args.preset} T={T}: {per} kernels per forward + backward (last of {args.iters} profiled)")
+    if per * args.iters != len(kernels) or any(
+            kernels[c * per + i].name != kernels[i].name for c in range(args.iters) for i in range(per)):
+        print(f"kernel_timeline: the {args.iters} iterations did not launch the same kernels "
+              f"({len(kernels)} in all)", file=sys.stderr)
+        return 1
+    t0 = kernels[-per].time_range.start
+
+    def gap_before(j: int) -> float:
+        return 0.0 if j == 0 else max(0.0, kernels[j].time_range.start - kernels[j - 1].time_range.end)
+
+    rows = []
+    print(f"{args.preset} T={T}: {per} kernels per forward + backward (medians of {args.iters} profiled)")
     print(f"{'#':>3} {'start us':>9} {'gap us':>7} {'dur us':>8}  kernel")
-    for i, e in enumerate(last):
-        start, end = e.time_range.start, e.time_range.end
-        gap = 0.0 if prev_end is None else max(0.0, start - prev_end)
-        busy += end - start
-        rows.append({"name": e.name, "start_us": start - t0, "dur_us": end - start, "gap_us": gap})
-        print(f"{i:3d} {start - t0:9.1f} {gap:7.1f} {end - start:8.1f}  {e.name[:90]}")
-        prev_end = end if prev_end is None else max(prev_end, end)
-    span = prev_end - t0
+    for i in range(per):
+        runs = [kernels[c * per + i].time_range for c in range(args.iters)]
+        dur = statistics.median(r.end - r.start for r in runs)
+        gap = statistics.median(gap_before(c * per + i) for c in range(1 if i == 0 else 0, args.iters))
+        start = kernels[-per + i].time_range.start - t0
+        rows.append({"name": kernels[i].name, "start_us": start, "dur_us": dur, "gap_us": gap})
+        print(f"{i:3d} {start:9.1f} {gap:7.1f} {dur:8.1f}  {kernels[i].name[:90]}")
+    busy = sum(r["dur_us"] for r in rows)
     gaps = sum(r["gap_us"] for r in rows)
-    print(f"span {span:.1f} us   kernel sum {busy:.1f} us   gaps {gaps:.1f} us ({100 * gaps / span:.1f}% of span)")
+    span = busy + gaps
+    print(f"span {span:.1f} us (kernel medians + gap medians)   kernel sum {busy:.1f} us   "
+          f"gaps {gaps:.1f} us ({100 * gaps / span:.1f}% of span)")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "tokens": T, "span_us": span,
                                                "back_to_back_ms": b2b, "synced_ms": synced, "host_ms": host,
