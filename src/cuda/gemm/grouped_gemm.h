@@ -162,7 +162,7 @@ struct GroupedGemmArgs {
   // layer then sums each token's rows route_row[t k + j] (combine_pool_rows).
   // An experiment (the layer's -DMEGAMOE_DOWN_POOL, off): kDown 686 -> 651
   // us at Qwen3-30B-A3B, 2470 -> 2378 at 235B (Nsight, session 38), the
-  // forward 2-3% faster, but the layer's fwd+bwd at 30B ~1% slower.
+  // forward 2-3% faster, but the layer's fwd+bwd at 30B ~0.7% slower.
   bool down_to_pool = false;
   // M-grouped modes (held tiles too): walk each expert's tiles rows first
   // (all its 128-row tiles of one column tile, then the next column tile)

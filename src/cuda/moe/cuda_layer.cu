@@ -107,7 +107,7 @@ void gather_in_gemm(GroupedGemmArgs& g, GroupedGemmArgs::Gather which, const voi
 // (which kGateUp has finished reading), and the combine sums them by route
 // (GroupedGemmArgs::down_to_pool, combine_pool_rows), instead of slots
 // [j][t]: an experiment, -DMEGAMOE_DOWN_POOL=ON (session 38: kDown -5% at
-// 30B, -4% at 235B, the forward -2..-3%, but fwd+bwd at 30B ~1% slower).
+// 30B, -4% at 235B, the forward -2..-3%, but fwd+bwd at 30B ~0.7% slower).
 #ifdef MEGAMOE_DOWN_POOL
 constexpr bool kDownPool = true;
 #else
