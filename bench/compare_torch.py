@@ -784,6 +784,20 @@ def run_child(args) -> dict:
             mem_res["driver_points_bytes"] = dict(mem.points)
         res["memory"] = mem_res or None
 
+        if args.sustained and mem.cuda:
+            from gpu_power import sustained
+            turn = [0]
+
+            def step():
+                s = turn[0] % args.rotate
+                turn[0] += 1
+                impl.bwd(impl.fwd(s), s)
+
+            try:  # NVML missing costs the row's energy numbers, not the row
+                res["sustained"] = sustained(step, args.sustained, device)
+            except (OSError, RuntimeError, AttributeError) as exc:
+                res["sustained_error"] = f"{type(exc).__name__}: {exc}"[:300]
+
         if args.kernels and mem.cuda:
             try:  # a profiler failure costs the table, not the row timed above
                 res["kernels"] = profile_kernels(impl)
@@ -809,7 +823,7 @@ def run_child(args) -> dict:
 
 
 FORWARDED = ("save", "routing", "skew_sigma", "drop_frac", "iters", "warmup", "eager_iters", "eager_warmup",
-             "gmm_align", "rotate", "device", "seed", "compile_mode", "perturb", "perturb_scale")
+             "gmm_align", "rotate", "device", "seed", "compile_mode", "perturb", "perturb_scale", "sustained")
 FLAGS = ("kernels",)  # store_true options every child gets too
 
 
@@ -947,6 +961,14 @@ def print_notes(records: list[dict]):
                 txt = "  ".join(f"{n} {v:.2e}" for n, v in errs.items())
                 print(f"  {b:<19} rel. error vs fp64: {txt}" + (f"   <-- FLAG > {err_flag(b):g}" if r["flagged"]
                                                                     else ""))
+            sus = r.get("sustained")
+            if sus:
+                print(f"  {b:<19} sustained: {sus['steps']} steps back to back, {sus['ms_per_step']:.3f} ms, "
+                      f"{sus['joules_per_step']:.3f} J a step, {sus['mean_w']:.0f} W, SM clock median "
+                      f"{sus['sm_mhz_median']} MHz ({sus['samples']} samples; limited by: "
+                      f"{', '.join(sus['clock_reasons']) or 'nothing reported'})")
+            if r.get("sustained_error"):
+                print(f"  {b:<19} sustained: NVML failed: {r['sustained_error']}")
             lib = (r.get("info") or {}).get("library")
             if lib:
                 print(f"  {b:<19} library: {lib}")
@@ -1020,6 +1042,9 @@ def parse_args(argv=None):
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="add the rows of earlier runs' --json files where this run has none that ran (marked *)")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--sustained", type=int, default=0, metavar="STEPS",
+                   help="also run STEPS forward + backward steps back to back (no L2 flush) and report ms, "
+                        "joules and median SM clock per step from NVML (bench/gpu_power.py)")
     p.add_argument("--kernels", action="store_true",
                    help="also list each backend's kernels of a forward and a backward: medians of 5 pairs "
                         "back to back (torch.profiler)")
