@@ -1254,6 +1254,12 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     expect_same_bytes({pool.bytes()}, gather, [&] { run(with_side(host)); }, ("the pool, in " + what).c_str());
     expect_same_bytes(wgrad ? gw_out : gx_out, [&] { run(host); }, [&] { run(with_side(host)); },
                       ("the GEMM's output beside the side job, " + what).c_str());
+    // The scatter form (SideGather::route_row): the same pool from each token row read once.
+    cuda::GroupedGemmArgs scatter = with_side(host);
+    scatter.side_gather.route_row = route_row_dev, scatter.side_gather.tokens = T;
+    expect_same_bytes({pool.bytes()}, gather, [&] { run(scatter); }, ("the pool scattered, in " + what).c_str());
+    expect_same_bytes(wgrad ? gw_out : gx_out, [&] { run(host); }, [&] { run(scatter); },
+                      ("the GEMM's output beside the side scatter, " + what).c_str());
   }
   // kGateUp gathering its own A, its tiles held on the rows' counts: z and a
   // as from gather_rows' pool (the pool starts as NaN: a tile read before its

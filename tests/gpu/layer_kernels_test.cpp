@@ -3,6 +3,7 @@
 // second 256-chunk segment, mostly idle), pool rows not a multiple of the
 // gather's 4-row group, padding rows, dropped routes, and k = 11 (a second
 // batch of combine loads, three of eight used).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +81,41 @@ TEST(LayerKernels, GatherRowsPutsEachPoolRowsTokenRow) {
       }
     EXPECT_EQ(wrong, 0) << "pool_rows " << pool_rows;
   }
+}
+
+// scatter_rows makes gather_rows' pool from the plan's inverse maps: routes
+// in a shuffled row order with padding rows between experts' runs, dropped
+// routes (no row), rows from pool_rows on untouched; bit for bit.
+TEST(LayerKernels, ScatterRowsMakesTheGatheredPool) {
+  MEGAMOE_REQUIRE_GPU();
+  const int64_t T = 53, capacity = 7 * T;
+  const int k = 5;
+  std::mt19937 rng(11);
+  std::vector<int32_t> route_row(T * k, -1), row_src(capacity, -1), order;
+  for (int32_t i = 0; i < T * k; ++i)
+    if (rng() % 6 != 0) order.push_back(i);  // the others are dropped routes
+  std::shuffle(order.begin(), order.end(), rng);
+  int32_t used = 0;
+  for (const int32_t i : order) {
+    if (rng() % 4 == 0) used += static_cast<int32_t>(rng() % 3);  // padding rows (row_src -1) between
+    route_row[i] = used, row_src[used] = i, ++used;
+  }
+  used += 2;  // padding at the end too
+  ASSERT_LT(used, capacity);
+  const std::vector<uint16_t> x = random_rows(T, kWidth, 12), before = random_rows(capacity, kWidth, 13);
+  DeviceVec<uint16_t> d_x(x), d_gathered(before), d_scattered(before);
+  DeviceVec<int32_t> d_route(route_row), d_src(row_src), d_used(std::vector<int32_t>{used});
+  MEGAMOE_ASSERT_OK(cuda::gather_rows(d_x.p, kWidth, d_src.p, k, d_used.p, capacity, d_gathered.p, nullptr));
+  MEGAMOE_ASSERT_OK(
+      cuda::scatter_rows(d_x.p, T, kWidth, d_route.p, k, d_src.p, d_used.p, capacity, d_scattered.p, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> want = d_gathered.download(), got = d_scattered.download();
+  int64_t wrong = 0, zeros = 0;
+  for (size_t i = 0; i < got.size(); ++i) wrong += got[i] != want[i];
+  for (int64_t r = 0; r < used; ++r) zeros += row_src[r] < 0;
+  EXPECT_EQ(wrong, 0);
+  EXPECT_GT(zeros, 2);  // the padding rows were exercised
+  EXPECT_EQ(got[static_cast<size_t>(used * kWidth)], before[static_cast<size_t>(used * kWidth)]);
 }
 
 // out[t] = bf16(sum over j in order of the valid routes' rows) in fp32, by

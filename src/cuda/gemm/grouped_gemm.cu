@@ -863,6 +863,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "
                               "positive multiple of 8");
+    if (s.route_row != nullptr && (s.rows_ready != nullptr || s.top_k > kMaxTopK || s.tokens < 0 ||
+                                   s.tokens * s.top_k > INT32_MAX))
+      return invalid_argument("grouped GEMM: side_gather as a scatter (route_row) has no rows_ready (its rows come in "
+                              "token order), top_k <= 32 and tokens * top_k within int32");
   }
   // rows_first reorders the M-grouped modes' tiles (held ones too: an expert's tiles still come in pool order).
   if (args.rows_first && args.mode == GemmMode::kWeightGrad)

@@ -210,6 +210,12 @@ struct GroupedGemmArgs {
     // ready_value 128, zeroed before the launch; the tiles hold until their
     // 128 rows are in (wide tiles allowed). Null elsewhere.
     uint32_t* rows_ready = nullptr;
+    // Scatter instead (no rows_ready): warps walk the token rows, read each
+    // once and store it to its routes' pool rows route_row[t top_k + j] (the
+    // plan's, the inverse of row_src), then zero the padding rows: the same
+    // pool with each token row read from DRAM once, not top_k times.
+    const int32_t* route_row = nullptr;
+    int64_t tokens = 0;
   };
   SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,

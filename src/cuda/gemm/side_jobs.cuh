@@ -87,12 +87,44 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
 // sectors, so that the copies' loads find L2. With rows_ready (kGateUp
 // gathering its own A) each row is counted once in, and warp w's first row
 // is row w: the first row tiles come in first, as the tiles want them.
+// SideGather::route_row: the scatter form, a warp a token row: lane j holds
+// route j's pool row, the lanes load kSideLoads x 32 chunks of the token
+// row and store them to each route's row in turn; then a warp a padding row.
+__device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGather& s, int lane, int warp, int warps,
+                                                 int chunks) {
+  for (int t = warp; t < s.tokens; t += warps) {
+    const int32_t mine = lane < s.top_k ? s.route_row[t * s.top_k + lane] : -1;
+    const uint32_t routed = __ballot_sync(0xffffffffu, mine >= 0);
+    const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(t) * chunks;
+    for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {
+      uint4 v[kSideLoads];
+#pragma unroll
+      for (int q = 0; q < kSideLoads; ++q)
+        if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
+      for (uint32_t left = routed; left != 0; left &= left - 1) {
+        const int row = __shfl_sync(0xffffffffu, mine, __ffs(static_cast<int>(left)) - 1);
+        uint4* out = static_cast<uint4*>(s.pool) + static_cast<int64_t>(row) * chunks;
+#pragma unroll
+        for (int q = 0; q < kSideLoads; ++q)
+          if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
+      }
+    }
+  }
+  const int rows = *s.pool_rows;
+  for (int r = warp; r < rows; r += warps) {
+    if (s.row_src[r] >= 0) continue;  // warp-uniform
+    uint4* to = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
+    for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(blockIdx.x) * 3 + static_cast<int>(threadIdx.x / 32) - 1;
   const int warps = 3 * static_cast<int>(gridDim.x);
   const int chunks = static_cast<int>(s.width / 8);  // 16-byte chunks a row
+  if (s.route_row != nullptr) return run_side_scatter(s, lane, warp, warps, chunks);
   const int rows = *s.pool_rows;
   auto source = [&](int r) {  // the token row of pool row r, -1 for padding
     const int32_t v = s.row_src[r];

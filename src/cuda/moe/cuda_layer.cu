@@ -59,14 +59,22 @@ constexpr bool kGatherRows = false;
 #endif
 bool gathers_rows(const LayerDims& d) { return kGatherRows && d.tokens > 0; }
 
+// Token rows [T, width] into the expert-major pool, each read once
+// (scatter_rows: the pool gather_rows would make, with less DRAM traffic).
+Status rows_to_pool(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c, const LayerDims& d,
+                    cudaStream_t stream) {
+  return scatter_rows(rows, d.tokens, width, plan.route_row, d.top_k, plan.row_src, plan.pool_rows, c.capacity,
+                      c.xdy_pool, stream);
+}
+
 // The bf16 layer's memory-bound steps as side jobs of its GEMMs (the idle
 // producer warps: GroupedGemmArgs::side_gather, side_combine) instead of
 // kernels of their own (-DMEGAMOE_SIDE_JOBS, on by default; 30B: -2%, perf-log
 // session 36). The forward's kGateUp gathers x itself (gate_up); the backward
-// gathers dy with gather_rows (kDownGrad gathering dy itself was 70 us slower
+// scatters dy into the pool (scatter_rows; kDownGrad gathering dy itself was 70 us slower
 // than the two kernels at 30B, and storing the gathered rows as dW2's pool
 // too 0.15-0.2 ms slower in f+b, sessions 36-37), then kDownGrad, dW2 (the last
-// reader of dy's pool), kGateUpGrad gathering x into the pool, dW13 combining
+// reader of dy's pool), kGateUpGrad scattering x into the pool, dW13 combining
 // dx from kGateUpGrad's slots.
 #ifdef MEGAMOE_SIDE_JOBS
 constexpr bool kSideJobs = true;
@@ -79,13 +87,13 @@ Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, co
                                const void* dy, const LayerGrads& grads, int sms) {
   const LayerDims& d = call.dims;
   const int64_t H = d.hidden, I = d.intermediate, C = c.capacity;
-  MEGAMOE_RETURN_IF_ERROR(gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(rows_to_pool(dy, H, plan, c, d, call.stream));
   MEGAMOE_RETURN_IF_ERROR(
       detail::down_grad_gemm(call, plan, c, in.w2, in.topk_weights, grads.d_topk_weights, sms));
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(
       detail::weight_grad(call, plan, C, c.xdy_pool, H, c.a_pool, I, grads.dw2, grads), sms, call.stream));
   GroupedGemmArgs gx = detail::gate_up_grad(call, plan, c, in.w13);
-  gx.side_gather = detail::pool_side_gather(in.x, H, plan, c);  // x into the pool dW2 has finished with
+  gx.side_gather = detail::pool_side_scatter(in.x, H, plan, c);  // x into the pool dW2 has finished with
   MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(gx, sms, call.stream));
   GroupedGemmArgs dw13 = detail::weight_grad(call, plan, C, c.dz_pool, 2 * I, c.xdy_pool, H, grads.dw13, grads);
   GroupedGemmArgs::SideCombine& dx = dw13.side_combine;  // dx from kGateUpGrad's slots
@@ -144,8 +152,7 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
     // refused, and x is gathered by its own kernel instead.
     if (st.code() != StatusCode::kUnavailable) return st;
   }
-  MEGAMOE_RETURN_IF_ERROR(
-      gather_rows(x, d.hidden, plan.row_src, d.top_k, plan.pool_rows, c.capacity, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(rows_to_pool(x, d.hidden, plan, c, d, call.stream));
   return launch_grouped_gemm(g, sms, call.stream);
 }
 
@@ -261,8 +268,7 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
         fp8_data_grad_gemms(call, plan, c, f, dy, in.w2, in.w13, in.topk_weights, grads.d_topk_weights, sms));
   } else {
     if (!gathers_rows(d))
-      MEGAMOE_RETURN_IF_ERROR(
-          gather_rows(dy, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+      MEGAMOE_RETURN_IF_ERROR(rows_to_pool(dy, H, plan, c, d, call.stream));
     MEGAMOE_RETURN_IF_ERROR(detail::data_grad_gemms(call, plan, c, in.w2, in.w13, in.topk_weights,
                                                     grads.d_topk_weights, sms, nullptr,
                                                     gathers_rows(d) ? dy : nullptr));
@@ -290,8 +296,7 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
   }
   MEGAMOE_RETURN_IF_ERROR(weight_grad_gemm(call, plan, C, c.xdy_pool, H, f.dy_t, f.dy_ts, c.a_pool, I, f.wa_t,
                                            f.wa_ts, grads.dw2, grads, sms));
-  MEGAMOE_RETURN_IF_ERROR(
-      gather_rows(in.x, H, c.pv.plan.row_src, d.top_k, plan.pool_rows, C, c.xdy_pool, call.stream));
+  MEGAMOE_RETURN_IF_ERROR(rows_to_pool(in.x, H, plan, c, d, call.stream));
   return weight_grad_gemm(call, plan, C, c.dz_pool, 2 * I, f.dz_t, f.dz_ts, c.xdy_pool, H, f.x_t, f.x_ts, grads.dw13,
                           grads, sms);
 }

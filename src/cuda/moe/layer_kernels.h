@@ -17,6 +17,16 @@ namespace megamoe::cuda {
 Status gather_rows(const void* src, int64_t width, const int32_t* row_src, int top_k, const int32_t* pool_rows,
                    int64_t capacity, void* pool, cudaStream_t stream);
 
+// The same pool as gather_rows, made by reading each token row once: pool
+// row route_row[t k + j] = src[t] for each route with a row (>= 0), zeros
+// in the padding rows (row_src < 0, below *pool_rows). route_row and row_src
+// must be the device plan's inverse maps (route_row[row_src[r]] == r for
+// every used row r with a source); rows from *pool_rows on are not written.
+// One launch; src [tokens, width] bf16, width a multiple of 8.
+Status scatter_rows(const void* src, int64_t tokens, int64_t width, const int32_t* route_row, int top_k,
+                    const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
+                    cudaStream_t stream);
+
 // out[t] = bf16(sum_{j = 0..k-1, 0 <= topk_idx[t,j] < E} slots[j, t]) in fp32, j in order.
 // slots: bf16 [top_k][slot_tokens][width], slot_tokens >= num_tokens (0: num_tokens).
 // If the plan found a routing error, out is filled with NaN (never silently wrong)

@@ -152,6 +152,13 @@ GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, co
   return s;
 }
 
+GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, const DevicePlan& plan,
+                                              const Carved& c) {
+  GroupedGemmArgs::SideGather s = pool_side_gather(rows, width, plan, c);
+  s.route_row = plan.route_row, s.tokens = plan.num_tokens;
+  return s;
+}
+
 Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, stream);
   if (err != cudaSuccess) return cuda_status("zero a side gather's row tile counts", err);

@@ -68,6 +68,10 @@ Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carve
 
 // Token rows [T, width] into c.xdy_pool as a GEMM's side job (GroupedGemmArgs::side_gather).
 GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, const DevicePlan& plan, const Carved& c);
+// The same pool made by scattering each token row once (SideGather::route_row);
+// for GEMMs that do not hold tiles on the pool's rows.
+GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, const DevicePlan& plan,
+                                              const Carved& c);
 // g (kGateUp over c.xdy_pool) gathers its A from `rows` itself,
 // each tile held until its 128 rows are counted in: counts (u32 [C / 128],
 // in a region free during g) zeroed on `stream` first.
