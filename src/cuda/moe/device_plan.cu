@@ -85,29 +85,47 @@ __device__ __forceinline__ int warp_inclusive_scan(int v) {
   return v;
 }
 
-// One block: a warp per expert scans its chunk counts into exclusive bases
-// (32 chunks a step); the block scans the experts' aligned row counts into
-// expert_offset; then tile_expert and the padding rows.
+// One block. Each expert's chunk counts become exclusive bases: thread
+// (g, e) of G chunk groups sums expert e's counts over its group's chunks
+// (reads coalesced over e), the group sums turn into bases in g order, and
+// each thread rewrites its chunks. (A warp an expert, lanes 32 chunks apart,
+// read E x 4 bytes apart and took 27 us at Qwen3-30B-A3B, 16384 tokens.)
+// Then the block scans the experts' aligned row counts into expert_offset;
+// then tile_expert and the padding rows.
 __global__ void __launch_bounds__(1024) plan_scan_kernel(int num_chunks, int E, int32_t* chunk_counts,
                                                          int32_t* expert_rows, int32_t* expert_offset,
                                                          int32_t* tile_expert, int32_t* row_src) {
   __shared__ int32_t warp_sums[32];
   __shared__ int32_t block_total;
+  __shared__ int32_t group_sums[1024];
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   const int warps = static_cast<int>(blockDim.x >> 5);
-  for (int e = warp; e < E; e += warps) {
-    int carry = 0;
-    for (int c0 = 0; c0 < num_chunks; c0 += 32) {
-      const int c = c0 + lane;
-      int32_t* at = chunk_counts + static_cast<int64_t>(c) * E + e;
-      const int v = c < num_chunks ? *at : 0;
-      const int incl = warp_inclusive_scan(v);
-      if (c < num_chunks) *at = carry + incl - v;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
+  const int per_pass = min(E, static_cast<int>(blockDim.x));  // experts a pass
+  const int groups = static_cast<int>(blockDim.x) / per_pass;
+  const int span = (num_chunks + groups - 1) / groups;       // chunks a group
+  const int le = static_cast<int>(threadIdx.x) % per_pass, g = static_cast<int>(threadIdx.x) / per_pass;
+  const int c0 = g * span, c1 = min(num_chunks, c0 + span);
+  for (int e0 = 0; e0 < E; e0 += per_pass) {
+    const int e = e0 + le;
+    const bool active = g < groups && e < E;
+    int sum = 0;
+    if (active)
+      for (int c = c0; c < c1; ++c) sum += chunk_counts[static_cast<int64_t>(c) * E + e];
+    if (g < groups) group_sums[threadIdx.x] = sum;
+    __syncthreads();
+    if (active) {
+      int run = 0;
+      for (int h = 0; h < g; ++h) run += group_sums[h * per_pass + le];
+      for (int c = c0; c < c1; ++c) {
+        int32_t* at = chunk_counts + static_cast<int64_t>(c) * E + e;
+        const int v = *at;
+        *at = run;
+        run += v;
+      }
+      if (g == groups - 1) expert_rows[e] = run;
     }
-    if (lane == 0) expert_rows[e] = carry;
+    __syncthreads();  // group_sums read before the next pass writes them
   }
-  __syncthreads();
   int base = 0;  // the aligned rows of the experts before this pass
   for (int e0 = 0; e0 < E; e0 += blockDim.x) {
     const int e = e0 + static_cast<int>(threadIdx.x);
