@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=10, help="profiled iterations (medians over them are printed)")
     p.add_argument("--json", help="write the kernels' medians here")
+    p.add_argument("--sustained", type=int, default=150, metavar="STEPS",
+                   help="also STEPS steps back to back with NVML's energy and SM clock (bench/gpu_power.py; 0: skip)")
     args = p.parse_args()
     if args.iters < 2:
         p.error("--iters: at least 2 (the first kernel's gap is measured after an earlier step)")
@@ -92,6 +94,16 @@ def main() -> int:
     synced, host = event_ms(True)
     print(f"CUDA events, median of 20: back to back {b2b:.3f} ms   synced each {synced:.3f} ms   "
           f"host time to queue one step {host:.3f} ms")
+    sus = None
+    if args.sustained > 0:
+        from gpu_power import sustained
+        try:
+            sus = sustained(step, args.sustained, dev)
+            print(f"sustained: {sus['steps']} steps back to back {sus['ms_per_step']:.3f} ms a step, "
+                  f"{sus['joules_per_step']:.3f} J a step, {sus['mean_w']:.0f} W, SM clock median "
+                  f"{sus['sm_mhz_median']} MHz (limited by: {', '.join(sus['clock_reasons']) or 'nothing reported'})")
+        except (OSError, RuntimeError, AttributeError) as exc:
+            print(f"sustained: NVML failed: {exc}", file=sys.stderr)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             step()
@@ -133,7 +145,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "tokens": T, "span_us": span,
                                                "back_to_back_ms": b2b, "synced_ms": synced, "host_ms": host,
-                                               "kernel_sum_us": busy, "gaps_us": gaps, "kernels": rows}, indent=1))
+                                               "kernel_sum_us": busy, "gaps_us": gaps, "sustained": sus,
+                                               "kernels": rows}, indent=1))
     return 0
 
 
