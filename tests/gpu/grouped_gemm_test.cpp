@@ -1268,14 +1268,12 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   auto* counts_p = static_cast<uint32_t*>(counts.view().data);
   // `pooled` reading a gather_rows pool against the same GEMM gathering its
   // own A (`pool`, NaN until gathered: a tile read before its rows are in shows).
-  // owner: by the owner walk (SideGather::topk_idx: each token row read once, stored to all its rows).
   auto expect_own_gather_bitwise = [&](const cuda::GroupedGemmArgs& pooled, Mat& own_pool, const Outputs& outs,
-                                       const char* what, bool owner = false) {
+                                       const char* what) {
     cuda::GroupedGemmArgs own = pooled;
     cuda::GroupedGemmArgs::SideGather& s = own.side_gather;
     s.src = tok.dev.view().data, s.width = H, s.row_src = plan.row_src, s.top_k = k;
     s.pool_rows = plan.pool_rows, s.pool = own_pool.dev.view().data, s.rows_ready = counts_p;
-    if (owner) s.route_row = route_row_dev, s.tokens = T, s.topk_idx = static_cast<const int32_t*>(idx.view().data);
     own.rows_ready = counts_p, own.ready_value = 128;
     expect_same_bytes(outs, [&] {
       MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
@@ -1301,24 +1299,10 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   Mat x, w13_up, z, a;
   cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
   expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 256)");
-  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp's owner walk (128 x 256)", true);
   up.rows_first = true;  // held tiles walked rows first: an expert's rows still come in pool order
   expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A, rows first");
-  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp's owner walk, rows first", true);
   up.rows_first = false, up.narrow_tiles = true;
   expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 128)");
-  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp's owner walk (128 x 128)", true);
-  {  // the owner walk without its route_row, or with rows_ready but no topk_idx: refused
-    cuda::GroupedGemmArgs bad = up;
-    bad.side_gather = cuda::GroupedGemmArgs::SideGather{};
-    bad.side_gather.src = tok.dev.view().data, bad.side_gather.width = H, bad.side_gather.row_src = plan.row_src;
-    bad.side_gather.top_k = k, bad.side_gather.pool_rows = plan.pool_rows, bad.side_gather.pool = x.dev.view().data;
-    bad.side_gather.rows_ready = counts_p, bad.rows_ready = counts_p, bad.ready_value = 128;
-    bad.side_gather.topk_idx = static_cast<const int32_t*>(idx.view().data);
-    EXPECT_EQ(cuda::launch_grouped_gemm(bad, sms, nullptr).code(), StatusCode::kInvalidArgument) << "no route_row";
-    bad.side_gather.topk_idx = nullptr, bad.side_gather.route_row = route_row_dev, bad.side_gather.tokens = T;
-    EXPECT_EQ(cuda::launch_grouped_gemm(bad, sms, nullptr).code(), StatusCode::kInvalidArgument) << "no topk_idx";
-  }
   Mat dy, w2g, zg, dz2, wa;  // kDownGrad's dy: dz, w a and the d topk_w partials
   DeviceTensor dw_partial;
   const cuda::GroupedGemmArgs down_grad = down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial);

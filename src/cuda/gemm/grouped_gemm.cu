@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!kFp8 && kGather == kGatherNone && M != GemmMode::kDown) {
       if (threadIdx.x >= 32) {
         if (p.args.side_gather.pool != nullptr)
-          run_side_gather<M == GemmMode::kGateUp || M == GemmMode::kDownGrad>(p.args.side_gather);
+          run_side_gather(p.args.side_gather);
         if constexpr (M == GemmMode::kWeightGrad)
           if (p.args.side_combine.out != nullptr)
             run_side_combine(p.args.side_combine, p.args.errors);
@@ -863,16 +863,10 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src, row_src and pool_rows, top_k >= 1 and width a "
                               "positive multiple of 8");
-    if (s.route_row != nullptr && ((s.rows_ready != nullptr) != (s.topk_idx != nullptr) || s.top_k > kMaxTopK ||
-                                   s.tokens < 0 || s.tokens * s.top_k > INT32_MAX))
-      return invalid_argument("grouped GEMM: side_gather as a scatter (route_row) takes rows_ready only with topk_idx "
-                              "(the owner walk; a token-order scatter fills row tiles only at its end), top_k <= 32 "
-                              "and tokens * top_k within int32");
-    if (s.topk_idx != nullptr && s.route_row == nullptr)
-      return invalid_argument("grouped GEMM: side_gather.topk_idx (the owner walk) needs route_row");
-    if (s.route_row != nullptr && (s.topk_idx != nullptr) != own_a)
-      return invalid_argument("grouped GEMM: side_gather with route_row is the owner walk (topk_idx) in kGateUp and "
-                              "kDownGrad, a scatter (no topk_idx) in kGateUpGrad and kWeightGrad");
+    if (s.route_row != nullptr && (s.rows_ready != nullptr || s.top_k > kMaxTopK || s.tokens < 0 ||
+                                   s.tokens * s.top_k > INT32_MAX))
+      return invalid_argument("grouped GEMM: side_gather as a scatter (route_row) has no rows_ready (its rows come in "
+                              "token order), top_k <= 32 and tokens * top_k within int32");
   }
   // rows_first reorders the M-grouped modes' tiles (held ones too: an expert's tiles still come in pool order).
   if (args.rows_first && args.mode == GemmMode::kWeightGrad)

@@ -216,15 +216,6 @@ struct GroupedGemmArgs {
     // pool with each token row read from DRAM once, not top_k times.
     const int32_t* route_row = nullptr;
     int64_t tokens = 0;
-    // With route_row and rows_ready (kGateUp gathering its own A): the
-    // owner walk. Warps walk pool rows in order as the gather does, but only
-    // a token's row in its lowest expert (its "owner" row; topk_idx
-    // [tokens, top_k], the plan's input) reads the token row, and stores it
-    // to all of the token's routes' rows, counting each in. Expert e's rows
-    // have their owners in experts <= e, so they are all in once the walk
-    // has passed e's rows: the tiles still fill in pool order, and each
-    // token row leaves DRAM once.
-    const int32_t* topk_idx = nullptr;
   };
   SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,

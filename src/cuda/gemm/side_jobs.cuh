@@ -118,75 +118,13 @@ __device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGath
   }
 }
 
-// The rows of a pool row's warp are in: every lane's stores fenced, then
-// the counts (releases) by the lanes named in `lanes`, each for the row
-// tile of its own `row`.
-__device__ __forceinline__ void count_rows_in(uint32_t* rows_ready, uint32_t lanes, int lane, int row) {
-  __threadfence();
-  __syncwarp();
-  if ((lanes >> lane) & 1u) atomicAdd(rows_ready + (row >> 7), 1u);
-}
-
-// SideGather::topk_idx: the owner walk (see grouped_gemm.h). Lane j looks up
-// route j of pool row r's token (its expert and its row); the owner is the
-// valid route of the lowest expert (the lowest lane among equals); only the
-// warp on the owner's row copies, to every valid route's row. Every used
-// row has exactly one owner row (that of its token), so each is written and
-// counted once, as by the gather. The next row's source is loaded a row ahead.
-__device__ __forceinline__ void run_side_owner_scatter(const GroupedGemmArgs::SideGather& s, int lane, int warp,
-                                                       int warps, int chunks) {
-  const int rows = *s.pool_rows, k = s.top_k;
-  int32_t next = warp < rows ? s.row_src[warp] : -1;
-  for (int r = warp; r < rows; r += warps) {
-    const int32_t src = next;
-    next = r + warps < rows ? s.row_src[r + warps] : -1;
-    uint4* to = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
-    if (src < 0) {  // padding: zeros, counted in
-      for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
-      count_rows_in(s.rows_ready, 1u, lane, r);
-      continue;
-    }
-    const int t = src / k;
-    const int32_t row = lane < k ? s.route_row[t * k + lane] : -1;
-    const int32_t expert = lane < k ? s.topk_idx[t * k + lane] : 0;
-    const unsigned key = row >= 0 ? static_cast<unsigned>(expert) : ~0u;  // valid routes' experts are in [0, E)
-    const unsigned lowest = __reduce_min_sync(0xffffffffu, key);
-    const int owner = __ffs(static_cast<int>(__ballot_sync(0xffffffffu, key == lowest))) - 1;
-    if (__shfl_sync(0xffffffffu, row, owner) != r) continue;  // another row of this token copies it
-    const uint32_t routed = __ballot_sync(0xffffffffu, row >= 0);
-    const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(t) * chunks;
-    for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {
-      uint4 v[kSideLoads];
-#pragma unroll
-      for (int q = 0; q < kSideLoads; ++q)
-        if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
-      for (uint32_t left = routed; left != 0; left &= left - 1) {
-        const int dst = __shfl_sync(0xffffffffu, row, __ffs(static_cast<int>(left)) - 1);
-        uint4* out = static_cast<uint4*>(s.pool) + static_cast<int64_t>(dst) * chunks;
-#pragma unroll
-        for (int q = 0; q < kSideLoads; ++q)
-          if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
-      }
-    }
-    count_rows_in(s.rows_ready, routed, lane, row);
-  }
-}
-
-// kOwnA: the modes that may gather their own A (kGateUp, kDownGrad: rows_ready,
-// the owner walk); the others may scatter (no holds). Each kernel compiles
-// only its own forms (the owner walk's registers made kWeightGrad spill).
-template <bool kOwnA>
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(blockIdx.x) * 3 + static_cast<int>(threadIdx.x / 32) - 1;
   const int warps = 3 * static_cast<int>(gridDim.x);
   const int chunks = static_cast<int>(s.width / 8);  // 16-byte chunks a row
-  if constexpr (kOwnA) {
-    if (s.topk_idx != nullptr) return run_side_owner_scatter(s, lane, warp, warps, chunks);
-  } else {
-    if (s.route_row != nullptr) return run_side_scatter(s, lane, warp, warps, chunks);
-  }
+  if (s.route_row != nullptr) return run_side_scatter(s, lane, warp, warps, chunks);
   const int rows = *s.pool_rows;
   auto source = [&](int r) {  // the token row of pool row r, -1 for padding
     const int32_t v = s.row_src[r];
@@ -215,7 +153,11 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
           if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
       }
     }
-    if (s.rows_ready != nullptr) count_rows_in(s.rows_ready, 1u, lane, r);  // the row is in
+    if (s.rows_ready != nullptr) {  // the row is in: every lane's stores fenced, then the count (a release)
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) atomicAdd(s.rows_ready + (r >> 7), 1u);
+    }
   }
 }
 

@@ -131,7 +131,7 @@ bool down_in_pool(const LayerDims& d, const Carved& c) {
 // (either may be null). FP8 quantises the token rows as it scatters them
 // into the pool (no bf16 x pool).
 Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, const Fp8Carved& f, const void* x,
-               const int32_t* topk_idx, const void* w13, void* z_pool, void* a_pool, int sms) {
+               const void* w13, void* z_pool, void* a_pool, int sms) {
   if (fp8_forward(call.dims)) return fp8_gate_up(call, plan, c, f, x, w13, z_pool, a_pool, sms);
   const LayerDims& d = call.dims;
   GroupedGemmArgs g = pool_gemm(GemmMode::kGateUp, call, plan, c.capacity, c.xdy_pool, d.hidden, w13,
@@ -145,8 +145,7 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
     // The row tiles' counts (u32 [C / 128]) in dw_partial (f32 [C, I / 128],
     // I a multiple of 128): the backward's, free until kDownGrad.
     GroupedGemmArgs own = g;
-    MEGAMOE_RETURN_IF_ERROR(
-        detail::gather_own_a(own, x, topk_idx, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
+    MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, x, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
     const Status st = launch_grouped_gemm(own, sms, call.stream);
     // Holding tiles on its own gather needs every CTA resident at once (a
     // cooperative launch); where the SMs are partitioned (MPS) that launch is
@@ -232,7 +231,7 @@ Status layer_forward(const LayerCall& call, const LayerInputs& in, void* y, cons
   MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
   const DevicePlan plan = device_plan(c.pv.plan, d);
   void* z_keep = buffers.saved != nullptr ? c.pv.z_pool : nullptr;  // z is kept only for a backward
-  MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.topk_idx, in.w13, z_keep, c.a_pool, sms));
+  MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, z_keep, c.a_pool, sms));
   MEGAMOE_RETURN_IF_ERROR(down(call, plan, c, f, in.w2, in.topk_weights, sms));
 
   if (down_in_pool(d, c))
@@ -257,7 +256,7 @@ Status layer_backward(const LayerCall& call, const LayerInputs& in, const void* 
 
   if (buffers.saved == nullptr) {  // nothing saved: rebuild the plan and z in scratch, as the forward made it
     MEGAMOE_RETURN_IF_ERROR(build_device_plan(in.topk_idx, T, d.top_k, d.num_experts, c.pv.plan, call.stream));
-    MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.topk_idx, in.w13, c.pv.z_pool, nullptr, sms));
+    MEGAMOE_RETURN_IF_ERROR(gate_up(call, plan, c, f, in.x, in.w13, c.pv.z_pool, nullptr, sms));
   }
   // bf16: xdy_pool now takes dy (x is gathered again for dW13 at the end). FP8: dy's token rows are
   // quantised as they are scattered into the pool (no bf16 dy pool; dy^T and x^T come from the token rows).

@@ -159,16 +159,11 @@ GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, c
   return s;
 }
 
-Status gather_own_a(GroupedGemmArgs& g, const void* rows, const int32_t* topk_idx, uint32_t* counts, const Carved& c,
-                    cudaStream_t stream) {
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, stream);
   if (err != cudaSuccess) return cuda_status("zero a side gather's row tile counts", err);
   g.side_gather = pool_side_gather(rows, g.a_cols, g.plan, c);
   g.side_gather.rows_ready = counts;
-  if (topk_idx != nullptr) {  // the owner walk: each token row read once
-    g.side_gather.route_row = g.plan.route_row, g.side_gather.tokens = g.plan.num_tokens;
-    g.side_gather.topk_idx = topk_idx;
-  }
   g.rows_ready = counts, g.ready_value = 128;
   return Status::Ok();
 }

@@ -74,11 +74,8 @@ GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, c
                                               const Carved& c);
 // g (kGateUp over c.xdy_pool) gathers its A from `rows` itself,
 // each tile held until its 128 rows are counted in: counts (u32 [C / 128],
-// in a region free during g) zeroed on `stream` first. With topk_idx (the
-// plan's input), by the owner walk (SideGather::topk_idx: each token row read
-// once), else row by row in pool order.
-Status gather_own_a(GroupedGemmArgs& g, const void* rows, const int32_t* topk_idx, uint32_t* counts, const Carved& c,
-                    cudaStream_t stream);
+// in a region free during g) zeroed on `stream` first.
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream);
 GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
                              const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
 
