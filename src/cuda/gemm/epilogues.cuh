@@ -250,43 +250,6 @@ struct BoxStores {
       *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + b * kBoxBytes + place(i))) =
           __floats2bfloat162_rn(value(i), value(i + 1));
   }
-  // Box by box (box b = the part of a 128-column half, one bulk group a box,
-  // boxes strictly in turn 0, 1, 0, ...): box b may be written once its own
-  // previous store has read it, while the other box's store still reads.
-  // (begin() waits for both: each half's second store then waited for the
-  // first's reads.)
-  __device__ __forceinline__ void begin_box() const {
-    if (storer()) bulk_wait_group_read<1>();
-    consumer_sync();
-  }
-  // value(i), value(i + 1) of the accumulator pairs of box `part` (i in
-  // [32 part, 32 part + 32): columns [64 part, 64 part + 64) of the half).
-  template <typename Value>
-  __device__ __forceinline__ void stage_box(int part, Value value) const {
-    const uint32_t buf = smem_u32(buffer);
-    const HalfTilePlaces place;
-#pragma unroll
-    for (int i = 0; i < 32; i += 2)
-      *static_cast<__nv_bfloat162*>(__cvta_shared_to_generic(buf + place(32 * part + i))) =
-          __floats2bfloat162_rn(value(32 * part + i), value(32 * part + i + 1));
-  }
-  // Box `part` to columns c0 .. c0 + 63 of `map`, as its own bulk group.
-  __device__ __forceinline__ void store_box(const CUtensorMap* map, int part, int c0) const {
-    if (!storer()) return;
-    tma_store_2d(map, buffer + part * kBoxBytes, c0, row);
-    bulk_commit_group();
-  }
-  // A 128-column half (value(i), i < 64) to columns c0 .. c0 + 127, box by box.
-  template <typename Value>
-  __device__ __forceinline__ void half_by_boxes(const CUtensorMap* map, int c0, Value value) const {
-#pragma unroll
-    for (int part = 0; part < 2; ++part) {
-      begin_box();
-      stage_box(part, value);
-      publish();
-      store_box(map, part, c0 + 64 * part);
-    }
-  }
   // Every thread's writes, before the TMA stores read them.
   __device__ __forceinline__ void publish() const {
     fence_proxy_async_shared();
@@ -309,10 +272,9 @@ struct BoxStores {
 // consumer's buffer of kWideBoxes 128B-swizzled 64 x 64 boxes (HalfTilePlaces:
 // a 64-row x 128-column part in two boxes) and leave by TMA stores
 // (out_map[0]: z [C, 2I], out_map[1]: a [C, I]): with two boxes the three
-// parts one after another, box by box (BoxStores::half_by_boxes: a box is
-// written while the other one's store still reads), with four z's two
-// halves at once. One thread issues the stores and waits for their reads
-// before a box is written again.
+// parts one after another, with four z's two halves at once. One thread
+// issues the stores and waits for their reads before the buffer is written
+// again (the next part, or the next tile's epilogue).
 struct WideGateUpEpilogue {
   __device__ __forceinline__ bool operator()(const KernelParams& p, const Tile& tile, float (&acc)[2][64],
                                              EpilogueContext& ctx, int cw) const {
@@ -323,28 +285,27 @@ struct WideGateUpEpilogue {
     auto gate = [&](int i) { return acc[0][i]; };
     auto up = [&](int i) { return acc[1][i]; };
     if (a.out0 != nullptr) {  // z: gate columns at 128 n, up columns I further on
+      out.begin();
+      out.stage(0, gate);
       if constexpr (kWideBoxes >= 4) {
-        out.begin();
-        out.stage(0, gate);
         out.stage(2, up);
         out.publish();
         out.store(ctx.out_map[0], 0, col0);
         out.store(ctx.out_map[0], 2, I + col0);
       } else {
-        out.half_by_boxes(ctx.out_map[0], col0, gate);
-        out.half_by_boxes(ctx.out_map[0], I + col0, up);
+        out.publish();
+        out.store(ctx.out_map[0], 0, col0);
+        out.begin();
+        out.stage(0, up);
+        out.publish();
+        out.store(ctx.out_map[0], 0, I + col0);
       }
     }
     if (a.out1 != nullptr) {  // null when the backward recomputes z only
-      auto act = [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); };
-      if constexpr (kWideBoxes >= 4) {
-        out.begin();
-        out.stage(0, act);
-        out.publish();
-        out.store(ctx.out_map[1], 0, col0);
-      } else {
-        out.half_by_boxes(ctx.out_map[1], col0, act);
-      }
+      out.begin();
+      out.stage(0, [&](int i) { return silu_f(round_bf16(acc[0][i])) * round_bf16(acc[1][i]); });
+      out.publish();
+      out.store(ctx.out_map[1], 0, col0);
     }
     return true;
   }
@@ -459,8 +420,8 @@ struct WideSlotEpilogue {
 // kDown in 128 x 256 tiles with GroupedGemmArgs::down_to_pool: consumer c's
 // rows [64c, 64c + 64) of the tile, each times its routing weight (0 for a
 // padding row), rounded to bf16 (the slot epilogues' values), go to the
-// same rows of out0 [C, n] in pool order by TMA, a 64-column box at a time
-// through the consumer's two 128B-swizzled boxes (half_by_boxes), as
+// same rows of out0 [C, n] in pool order by TMA, a 128-column half (acc[h])
+// at a time through the consumer's two 128B-swizzled boxes, as
 // WideGateUpEpilogue stores z: two 64 x 64 box stores a half instead of 64
 // row destinations and 16-byte stores. Threads 0-63 share the rows'
 // weights through row_w first.
@@ -471,16 +432,19 @@ struct WidePoolDownEpilogue {
     const int tid = static_cast<int>(threadIdx.x & 127);
     const BoxStores out(ctx.z_chunk, tile.m * kBlockM + 64 * cw);
     const float w = ctx.my_src >= 0 ? a.topk_weights[ctx.my_src] : 0.0f;  // (its load overlaps the barrier)
-    consumer_sync();  // every thread is done with the previous tile's row_w
+    out.begin();  // (also: every thread is done with the previous tile's row_w)
     if (tid < 64) ctx.row_w[tid] = w;
     consumer_sync();
     float w_row[2];
 #pragma unroll
     for (int q = 0; q < 2; ++q) w_row[q] = ctx.row_w[acc_row(0, 2 * q)];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)  // (i, i + 1: one row, one weight)
-      out.half_by_boxes(ctx.out_map[0], tile.n * 256 + 128 * h,
-                        [&](int i) { return w_row[(i >> 1) & 1] * acc[h][i]; });
+    for (int h = 0; h < 2; ++h) {
+      if (h > 0) out.begin();
+      out.stage(0, [&](int i) { return w_row[(i >> 1) & 1] * acc[h][i]; });  // (i, i + 1: one row, one weight)
+      out.publish();
+      out.store(ctx.out_map[0], 0, tile.n * 256 + 128 * h);
+    }
     return true;
   }
 };
