@@ -1260,6 +1260,20 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
     expect_same_bytes({pool.bytes()}, gather, [&] { run(scatter); }, ("the pool scattered, in " + what).c_str());
     expect_same_bytes(wgrad ? gw_out : gx_out, [&] { run(host); }, [&] { run(scatter); },
                       ("the GEMM's output beside the side scatter, " + what).c_str());
+    // Rows of 17 and 145 16-byte chunks: fewer lanes than a warp in a row or in
+    // the last step of one (the scatter's shuffles still need the whole warp).
+    for (const int64_t width : {int64_t{136}, int64_t{1160}}) {
+      Mat narrow, narrow_pool;
+      random_mat(narrow, T, width, 1.0, 43);
+      narrow_pool.make(C, width);
+      cuda::GroupedGemmArgs odd = scatter;
+      odd.side_gather.src = narrow.dev.view().data, odd.side_gather.width = width;
+      odd.side_gather.pool = narrow_pool.dev.view().data;
+      expect_same_bytes({narrow_pool.bytes()}, [&] {
+        MEGAMOE_ASSERT_OK(cuda::gather_rows(narrow.dev.view().data, width, plan.row_src, k, plan.pool_rows, C,
+                                            narrow_pool.dev.view().data, nullptr));
+      }, [&] { run(odd); }, ("the pool scattered, " + std::to_string(width) + " columns, in " + what).c_str());
+    }
   }
   // kGateUp gathering its own A, its tiles held on the rows' counts: z and a
   // as from gather_rows' pool (the pool starts as NaN: a tile read before its

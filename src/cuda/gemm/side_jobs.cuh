@@ -96,17 +96,20 @@ __device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGath
     const int32_t mine = lane < s.top_k ? s.route_row[t * s.top_k + lane] : -1;
     const uint32_t routed = __ballot_sync(0xffffffffu, mine >= 0);
     const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(t) * chunks;
-    for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {
+    // Every lane takes every step (the shuffles need the whole warp), its
+    // chunks guarded: a row of fewer than 32 chunks, or a last step of
+    // fewer, would otherwise leave lanes out of the shuffle.
+    for (int c0 = 0; c0 < chunks; c0 += kSideLoads * 32) {
       uint4 v[kSideLoads];
 #pragma unroll
       for (int q = 0; q < kSideLoads; ++q)
-        if (c0 + 32 * q < chunks) v[q] = __ldg(in + c0 + 32 * q);
+        if (c0 + lane + 32 * q < chunks) v[q] = __ldg(in + c0 + lane + 32 * q);
       for (uint32_t left = routed; left != 0; left &= left - 1) {
         const int row = __shfl_sync(0xffffffffu, mine, __ffs(static_cast<int>(left)) - 1);
         uint4* out = static_cast<uint4*>(s.pool) + static_cast<int64_t>(row) * chunks;
 #pragma unroll
         for (int q = 0; q < kSideLoads; ++q)
-          if (c0 + 32 * q < chunks) out[c0 + 32 * q] = v[q];
+          if (c0 + lane + 32 * q < chunks) out[c0 + lane + 32 * q] = v[q];
       }
     }
   }
