@@ -961,12 +961,9 @@ def print_notes(records: list[dict]):
                 txt = "  ".join(f"{n} {v:.2e}" for n, v in errs.items())
                 print(f"  {b:<19} rel. error vs fp64: {txt}" + (f"   <-- FLAG > {err_flag(b):g}" if r["flagged"]
                                                                     else ""))
-            sus = r.get("sustained")
-            if sus:
-                print(f"  {b:<19} sustained: {sus['steps']} steps back to back, {sus['ms_per_step']:.3f} ms, "
-                      f"{sus['joules_per_step']:.3f} J a step, {sus['mean_w']:.0f} W, SM clock median "
-                      f"{sus['sm_mhz_median']} MHz ({sus['samples']} samples; limited by: "
-                      f"{', '.join(sus['clock_reasons']) or 'nothing reported'})")
+            if r.get("sustained"):
+                from gpu_power import describe
+                print(f"  {b:<19} sustained: {describe(r['sustained'])}")
             if r.get("sustained_error"):
                 print(f"  {b:<19} sustained: NVML failed: {r['sustained_error']}")
             lib = (r.get("info") or {}).get("library")

@@ -100,3 +100,10 @@ def sustained(step: Callable[[], Any], steps: int, device) -> dict[str, Any]:
             "mean_w": (e1 - e0) / ms, "sm_mhz_median": statistics.median(s[0] for s in samples) if samples else None,
             "power_w_median": statistics.median(s[1] for s in samples) if samples else None,
             "samples": len(samples), "clock_reasons": sorted(n for b, n in REASONS.items() if seen & b)}
+
+
+def describe(sus: dict[str, Any]) -> str:
+    """One line of sustained()'s result."""
+    return (f"{sus['steps']} steps back to back, {sus['ms_per_step']:.3f} ms, {sus['joules_per_step']:.3f} J a step, "
+            f"{sus['mean_w']:.0f} W, SM clock median {sus['sm_mhz_median']} MHz ({sus['samples']} samples; "
+            f"limited by: {', '.join(sus['clock_reasons']) or 'nothing reported'})")

@@ -96,12 +96,10 @@ def main() -> int:
           f"host time to queue one step {host:.3f} ms")
     sus = None
     if args.sustained > 0:
-        from gpu_power import sustained
+        from gpu_power import describe, sustained
         try:
             sus = sustained(step, args.sustained, dev)
-            print(f"sustained: {sus['steps']} steps back to back {sus['ms_per_step']:.3f} ms a step, "
-                  f"{sus['joules_per_step']:.3f} J a step, {sus['mean_w']:.0f} W, SM clock median "
-                  f"{sus['sm_mhz_median']} MHz (limited by: {', '.join(sus['clock_reasons']) or 'nothing reported'})")
+            print(f"sustained: {describe(sus)}")
         except (OSError, RuntimeError, AttributeError) as exc:
             print(f"sustained: NVML failed: {exc}", file=sys.stderr)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -80,13 +80,12 @@ __device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideComb
   }
 }
 
-// GroupedGemmArgs::side_gather: gather_rows' copy (pool row r = token row
-// row_src[r] / top_k, zeros for a padding row, rows [0, *pool_rows)), a warp
-// a pool row (x's pool for dW13: 255 us at 30B, 533 at 235B as a kernel).
-// The warp looks the next row's source up a row ahead and asks L2 for its
-// sectors, so that the copies' loads find L2. With rows_ready (kGateUp
-// gathering its own A) each row is counted once in, and warp w's first row
-// is row w: the first row tiles come in first, as the tiles want them.
+// Pool row r (chunks 16-byte chunks) as zeros, the warp's lanes in turn: a padding row.
+__device__ __forceinline__ void zero_pool_row(void* pool, int r, int chunks, int lane) {
+  uint4* to = static_cast<uint4*>(pool) + static_cast<int64_t>(r) * chunks;
+  for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
+}
+
 // SideGather::route_row: the scatter form, a warp a token row: lane j holds
 // route j's pool row, the lanes load kSideLoads x 32 chunks of the token
 // row and store them to each route's row in turn; then a warp a padding row.
@@ -115,12 +114,17 @@ __device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGath
   }
   const int rows = *s.pool_rows;
   for (int r = warp; r < rows; r += warps) {
-    if (s.row_src[r] >= 0) continue;  // warp-uniform
-    uint4* to = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
-    for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
+    if (s.row_src[r] < 0) zero_pool_row(s.pool, r, chunks, lane);  // (warp-uniform)
   }
 }
 
+// GroupedGemmArgs::side_gather: gather_rows' copy (pool row r = token row
+// row_src[r] / top_k, zeros for a padding row, rows [0, *pool_rows)), a warp
+// a pool row (x's pool for dW13: 255 us at 30B, 533 at 235B as a kernel).
+// The warp looks the next row's source up a row ahead and asks L2 for its
+// sectors, so that the copies' loads find L2. With rows_ready (kGateUp
+// gathering its own A) each row is counted once in, and warp w's first row
+// is row w: the first row tiles come in first, as the tiles want them.
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -140,12 +144,11 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     if (next >= 0)
       for (int c = lane * 2; c < chunks; c += 64)
         prefetch_l2(static_cast<const uint4*>(s.src) + static_cast<int64_t>(next) * chunks + c);
-    uint4* to = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
     if (from < 0) {
-      for (int c = lane; c < chunks; c += 32) to[c] = make_uint4(0, 0, 0, 0);
+      zero_pool_row(s.pool, r, chunks, lane);
     } else {
       const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
-      uint4* __restrict__ out = to;
+      uint4* __restrict__ out = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
       for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {  // kSideLoads loads in flight, then their stores
         uint4 v[kSideLoads];
 #pragma unroll

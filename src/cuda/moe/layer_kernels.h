@@ -1,6 +1,8 @@
-// The memory-bound steps of the layer around the GEMMs: gathering token rows
-// into the expert-major pool (the P = 1 dispatch), the fixed-order slot sums
-// (combine), and the reduction of d topk_w partials.
+// The memory-bound steps of the layer around the GEMMs: token rows into the
+// expert-major pool (the P = 1 dispatch: the layer scatters, scatter_rows;
+// gather_rows makes the same pool row by row, the reference of the tests and
+// gemm-bench), the fixed-order slot sums (combine), and the reduction of
+// d topk_w partials.
 #pragma once
 
 #include <cuda_runtime.h>
