@@ -20,7 +20,7 @@
 // serves every layer (calls on a stream run one after another):
 //   chunk_counts  i32  [ceil(T / 256), E]
 //   plan          the saved layout above, when the call has no saved buffer
-//   xdy_pool      bf16 [C, H]       forward: pooled x (-DMEGAMOE_DOWN_POOL: then kDown's weighted rows);
+//   xdy_pool      bf16 [C, H]       forward: pooled x, then kDown's weighted rows (-DMEGAMOE_DOWN_POOL, on);
 //                                   backward: pooled dy, then pooled x again (dW13).
 //                                   Empty for the one-GPU fp8 layer (its e4m3 operands come from the
 //                                   token rows); fp8_bwd's bf16 forward and expert-parallel owners (the

@@ -160,9 +160,9 @@ struct GroupedGemmArgs {
   // r = pool row r's output times its routing weight (0 for padding rows),
   // stored by TMA as 64 x 64 boxes, instead of the slots [top_k][T][n]; the
   // layer then sums each token's rows route_row[t k + j] (combine_pool_rows).
-  // An experiment (the layer's -DMEGAMOE_DOWN_POOL, off): kDown 686 -> 651
-  // us at Qwen3-30B-A3B, 2470 -> 2378 at 235B (Nsight, session 38), the
-  // forward 2-3% faster, but the layer's fwd+bwd at 30B ~0.7% slower.
+  // The bf16 layer's default (-DMEGAMOE_DOWN_POOL, on): kDown 686 -> 651 us
+  // at Qwen3-30B-A3B, 2470 -> 2378 at 235B (Nsight, session 38); 150
+  // back-to-back fwd+bwd steps at 30B -0.4% (session 40).
   bool down_to_pool = false;
   // M-grouped modes (held tiles too): walk each expert's tiles rows first
   // (all its 128-row tiles of one column tile, then the next column tile)
