@@ -10,7 +10,7 @@ that programmatic dependent launch or fewer launches can win back. Two
 libraries built with different options (MEGAMOE_LIBRARY) compare kernel by
 kernel in the sequence a training step runs (scripts/device-timeline).
 
-  python3 bench/kernel_timeline.py --preset qwen3-30b-a3b --tokens 16384 [--json out.json]
+  python3 bench/kernel_timeline.py --preset qwen3-30b-a3b --tokens 16384 [--precision fp8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_bwd"),
+                   help="the layer's recipe (FP8: the weights quantised once, then the layer's cache)")
     p.add_argument("--iters", type=int, default=10, help="profiled iterations (medians over them are printed)")
     p.add_argument("--json", help="write the kernels' medians here")
     p.add_argument("--sustained", type=int, default=150, metavar="STEPS",
@@ -57,7 +59,7 @@ def main() -> int:
     def step():
         for t in (x, w, w13, w2):
             t.grad = None
-        megamoe.moe(x, idx, w, w13, w2, precision="bf16").backward(dy)
+        megamoe.moe(x, idx, w, w13, w2, precision=args.precision).backward(dy)
 
     for _ in range(3):
         step()
