@@ -119,6 +119,13 @@ inline constexpr bool has_scale_ring = kFp8 && (M == GemmMode::kWeightGrad || kA
 template <GemmMode M, bool kFp8, bool kRing>
 inline constexpr int kScaleRingBytes = kRing ? kStagesUsed<M, kFp8, kRing> * kScaleStageBytes : 0;
 
+// FP8 kGateUp's consumers take the two column tiles n = 2j, 2j + 1 of one row
+// tile together (TileScheduler::pair_tile): the pair reads the same A rows
+// at the same time (kGateUp -5%, -10% without its epilogue, at 235B;
+// perf-log, session 41).
+template <GemmMode M, bool kFp8>
+inline constexpr bool kPairedColumns = kFp8 && M == GemmMode::kGateUp;
+
 // Shared memory: [align pad][stages used][scale ring][epilogue buffer x 2][mbarriers: full, empty (kStages
 // each), order [2], z_full [2]][row_dst: 2 x 128 pointers (kDown, kGateUpGrad)][abort flag: u32, padded to 16 bytes]
 template <GemmMode M, bool kFp8, bool kRing>

@@ -406,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t rank = kPair ? cluster_rank() : 0;
 
   const int tiles = scheduler.num_tiles();
+  constexpr bool kPairedCols = kPairedColumns<M, kFp8>;  // (FP8 kGateUp: n_tiles = I / 64 is even)
   if (wg == 0) {
     setmaxnreg_dec<RegisterSplit<kFp8>::kProducer>();
     // Producer: one thread (on split rings one per ring) issues the TMA loads,
@@ -440,11 +441,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ring r with consumer r's tiles: every other one of the CTA's), so
         // neither ring waits for the other's loads or tile look-ups.
         // debug_stall_at counts ring 0's iterations.
+        // kPairedCols: ring r gets tile n = 2j + r of each of the CTA's units (column tile pairs).
         const int r = static_cast<int>(threadIdx.x / 32);
         PipelineState<R> ps;
-        for (int t = static_cast<int>(blockIdx.x) + r * static_cast<int>(gridDim.x); t < tiles;
-             t += 2 * static_cast<int>(gridDim.x)) {
-          const Tile tile = scheduler.tile(t);
+        const int G = static_cast<int>(gridDim.x);
+        const int first = static_cast<int>(blockIdx.x) + (kPairedCols ? 0 : r * G), step = kPairedCols ? G : 2 * G;
+        for (int t = first; t < (kPairedCols ? tiles / 2 : tiles); t += step) {
+          const Tile tile = kPairedCols ? scheduler.pair_tile(t, r) : scheduler.tile(t);
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
             if (r == 0 && static_cast<int64_t>(ps.it) == stall_at) return;
             if (!waits.wait(&ring.empty[r * R + ps.stage()], ps.empty_parity(), kBarrierEmpty, ps.it)) return;
@@ -549,7 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // computes all 128 rows of each (acc[h]: rows [64h, 64h + 64)). On one
   // shared ring both walk every tile to keep the pipeline state in step with
   // the producer, and main loops run in tile order, one consumer at a time
-  // (OrderBarriers); on split rings each walks its own tiles and ring. kWide:
+  // (OrderBarriers); on split rings each walks its own tiles and ring (FP8
+  // kGateUp: consumer c takes column tile 2j + c of each unit, kPairedCols). kWide:
   // both take every tile, at once, consumer c its rows [64c, 64c + 64) (acc[h]
   // the tile's columns [128h, 128h + 128): kGateUp's gate and up columns); no
   // order barriers (each stage is freed by both, so neither can poll a
@@ -589,10 +593,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   PipelineState<R> ps;
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
-  const int first_tile = blockIdx.x + (kSplitRings ? cw * gridDim.x : 0);
-  const int stride = (kSplitRings ? 2 : 1) * static_cast<int>(gridDim.x);
-  for (int t = first_tile; t < tiles; t += stride, ++j) {
-    const Tile tile = scheduler.tile(t);
+  // kPairedCols: t walks the CTA's units (column tile pairs), this consumer tile n = 2j + cw of each.
+  const int first_tile = blockIdx.x + (kSplitRings && !kPairedCols ? cw * gridDim.x : 0);
+  const int stride = (kSplitRings && !kPairedCols ? 2 : 1) * static_cast<int>(gridDim.x);
+  for (int t = first_tile; t < (kPairedCols ? tiles / 2 : tiles); t += stride, ++j) {
+    const Tile tile = kPairedCols ? scheduler.pair_tile(t, cw) : scheduler.tile(t);
     if constexpr (!kSplitRings && !kWide) {
       if ((j & 1) != cw) {
         ps.advance(tile.k_blocks);

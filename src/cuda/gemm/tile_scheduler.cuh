@@ -10,7 +10,8 @@
 // one column tile (its B columns read from L2 by consecutive tiles). Either
 // way expert e's tiles are numbers [first_e * n_tiles, (first_e + count_e) *
 // n_tiles), first_e its first pool row tile: t / n_tiles names the expert.
-// kWeightGrad walks (expert, m, n).
+// kWeightGrad walks (expert, m, n). FP8 kGateUp walks pairs of column
+// tiles (pair_tile): its two consumers take n = 2j and 2j + 1 of one row tile.
 // With rows_ready, the producer holds a tile until its rows have arrived.
 #pragma once
 
@@ -46,7 +47,19 @@ struct TileScheduler {
     }
   }
 
-  __device__ __forceinline__ Tile tile(int t) const {
+  __device__ __forceinline__ Tile tile(int t) const { return tile_of(t, p.n_tiles); }
+
+  // FP8 kGateUp (kPairedColumns): unit u of num_tiles() / 2 is a pair of column
+  // tiles n = 2j, 2j + 1 of one row tile, in the order tile() walks tiles
+  // with half the columns; consumer c takes n = 2j + c.
+  __device__ __forceinline__ Tile pair_tile(int u, int c) const {
+    Tile tile = tile_of(u, p.n_tiles / 2);
+    tile.n = 2 * tile.n + c;
+    return tile;
+  }
+
+  // Tile t with n_cols column tiles a row tile (M-grouped; kWeightGrad: p.n_tiles).
+  __device__ __forceinline__ Tile tile_of(int t, int n_cols) const {
     Tile tile;
     if constexpr (M == GemmMode::kWeightGrad) {
       const int per_expert = p.m_tiles * p.n_tiles;
@@ -62,15 +75,15 @@ struct TileScheduler {
       tile.lower_half_used = true;
     } else {
       static_assert(kPoolRowAlign == kBlockM, "experts start on row tiles (rows_first numbers an expert's tiles)");
-      tile.m = t / p.n_tiles;
-      tile.n = t % p.n_tiles;
+      tile.m = t / n_cols;
+      tile.n = t % n_cols;
       tile.expert = p.args.plan.tile_expert[tile.m];
       tile.k_begin = 0;
       tile.k_blocks = p.k_blocks;
       const int begin = p.args.plan.expert_offset[tile.expert], rows = p.args.plan.expert_rows[tile.expert];
       if (p.args.rows_first) {
         const int first = begin / kBlockM, count = (rows + kBlockM - 1) / kBlockM;
-        const int local = t - first * p.n_tiles;
+        const int local = t - first * n_cols;
         tile.m = first + local % count;
         tile.n = local / count;
       }
