@@ -1001,6 +1001,9 @@ TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a_cols = g.b_cols = H, g.b_rows = E * 384;
   const Status i192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(i192.to_string().find("I a multiple of 128"), std::string::npos) << i192.to_string();
+  g.n = 128, g.intermediate = 256, g.b_rows = E * 512;  // n is not I: the paired column walk would drop a tile
+  const Status n128 = cuda::launch_grouped_gemm(g, sms, nullptr);
+  EXPECT_NE(n128.to_string().find("n = I"), std::string::npos) << n128.to_string();
 }
 
 TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {

@@ -909,8 +909,9 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
                               "quantizer's transposed copy) with b_scales [E, k / 128, n / 128]");
     if (args.rows_ready != nullptr) return unimplemented("grouped GEMM: FP8 with rows_ready is not instantiated");
     if (args.k % kBlockKFp8 != 0) return internal_error("grouped GEMM: FP8 needs K a multiple of 128");
-    if (args.mode == GemmMode::kGateUp && args.intermediate % 128 != 0)
-      return internal_error("grouped GEMM: FP8 kGateUp needs I a multiple of 128 (gate and up in whole scale blocks)");
+    if (args.mode == GemmMode::kGateUp && (args.intermediate % 128 != 0 || args.n != args.intermediate))
+      return internal_error("grouped GEMM: FP8 kGateUp needs I a multiple of 128 and n = I, the a columns (gate and up "
+                            "in whole scale blocks; its consumers take column tiles in pairs)");
     if (args.a_scales == nullptr || args.b_scales == nullptr)
       return internal_error("grouped GEMM: FP8 needs a_scales and b_scales");
     if (args.b_rows % 128 != 0) return internal_error("grouped GEMM: FP8's B rows must be whole 128-row scale blocks");
