@@ -444,9 +444,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         // kPairedCols: ring r gets tile n = 2j + r of each of the CTA's units (column tile pairs).
         const int r = static_cast<int>(threadIdx.x / 32);
         PipelineState<R> ps;
-        const int G = static_cast<int>(gridDim.x);
-        const int first = static_cast<int>(blockIdx.x) + (kPairedCols ? 0 : r * G), step = kPairedCols ? G : 2 * G;
-        for (int t = first; t < (kPairedCols ? tiles / 2 : tiles); t += step) {
+        const Walk w =
+            walk_of(true, kPairedCols, static_cast<int>(blockIdx.x), r, static_cast<int>(gridDim.x), tiles);
+        for (int t = w.first; t < w.end; t += w.step) {
           const Tile tile = kPairedCols ? scheduler.pair_tile(t, r) : scheduler.tile(t);
           for (int kb = 0; kb < tile.k_blocks; ++kb, ++ps) {
             if (r == 0 && static_cast<int64_t>(ps.it) == stall_at) return;
@@ -594,9 +594,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[2][64];
   int j = 0, mine = 0;  // mine: tiles this consumer has taken
   // kPairedCols: t walks the CTA's units (column tile pairs), this consumer tile n = 2j + cw of each.
-  const int first_tile = blockIdx.x + (kSplitRings && !kPairedCols ? cw * gridDim.x : 0);
-  const int stride = (kSplitRings && !kPairedCols ? 2 : 1) * static_cast<int>(gridDim.x);
-  for (int t = first_tile; t < (kPairedCols ? tiles / 2 : tiles); t += stride, ++j) {
+  const Walk walk =
+      walk_of(kSplitRings, kPairedCols, static_cast<int>(blockIdx.x), cw, static_cast<int>(gridDim.x), tiles);
+  for (int t = walk.first; t < walk.end; t += walk.step, ++j) {
     const Tile tile = kPairedCols ? scheduler.pair_tile(t, cw) : scheduler.tile(t);
     if constexpr (!kSplitRings && !kWide) {
       if ((j & 1) != cw) {

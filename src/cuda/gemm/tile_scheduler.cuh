@@ -12,11 +12,13 @@
 // n_tiles), first_e its first pool row tile: t / n_tiles names the expert.
 // kWeightGrad walks (expert, m, n). FP8 kGateUp walks pairs of column
 // tiles (pair_tile): its two consumers take n = 2j and 2j + 1 of one row tile.
+// The M-grouped numbering and the walks are tile_walk.h's (CPU-tested).
 // With rows_ready, the producer holds a tile until its rows have arrived.
 #pragma once
 
 #include "cuda/gemm/engine_config.cuh"
 #include "cuda/gemm/pipeline.cuh"
+#include "cuda/gemm/tile_walk.h"
 #include "megamoe/problem.h"
 
 namespace megamoe::cuda::engine {
@@ -47,48 +49,51 @@ struct TileScheduler {
     }
   }
 
-  __device__ __forceinline__ Tile tile(int t) const { return tile_of(t, p.n_tiles); }
+  __device__ __forceinline__ Tile tile(int t) const {
+    if constexpr (M == GemmMode::kWeightGrad) {
+      return weight_grad_tile(t);
+    } else {
+      const DevicePlan& plan = p.args.plan;
+      return pool_tile_work(pool_tile(t, p.n_tiles, p.args.rows_first, plan.tile_expert, plan.expert_offset,
+                                      plan.expert_rows));
+    }
+  }
 
-  // FP8 kGateUp (kPairedColumns): unit u of num_tiles() / 2 is a pair of column
-  // tiles n = 2j, 2j + 1 of one row tile, in the order tile() walks tiles
-  // with half the columns; consumer c takes n = 2j + c.
+  // FP8 kGateUp (kPairedColumns): unit u of num_tiles() / 2, consumer c's
+  // tile of it (tile_walk.h paired_pool_tile).
   __device__ __forceinline__ Tile pair_tile(int u, int c) const {
-    Tile tile = tile_of(u, p.n_tiles / 2);
-    tile.n = 2 * tile.n + c;
+    const DevicePlan& plan = p.args.plan;
+    return pool_tile_work(paired_pool_tile(u, c, p.n_tiles, p.args.rows_first, plan.tile_expert,
+                                           plan.expert_offset, plan.expert_rows));
+  }
+
+  // kWeightGrad: tile t of the (expert, m, n) walk; K = the expert's pool rows.
+  __device__ __forceinline__ Tile weight_grad_tile(int t) const {
+    Tile tile;
+    const int per_expert = p.m_tiles * p.n_tiles;
+    tile.expert = t / per_expert;
+    tile.m = (t % per_expert) / p.n_tiles;
+    tile.n = t % p.n_tiles;
+    const int rows = p.args.plan.expert_rows[tile.expert];
+    tile.k_begin = p.args.plan.expert_offset[tile.expert];
+    // K = the expert's rows, in 64-row (bf16) or 128-row (FP8) blocks: a
+    // block of padding only (zeros) is skipped.
+    constexpr int kb = kFp8 ? kBlockKFp8 : kBlockK;
+    tile.k_blocks = (rows + kb - 1) / kb;
+    tile.lower_half_used = true;
     return tile;
   }
 
-  // Tile t with n_cols column tiles a row tile (M-grouped; kWeightGrad: p.n_tiles).
-  __device__ __forceinline__ Tile tile_of(int t, int n_cols) const {
+  // The work of M-grouped tile x: all of K, and whether rows 64.. hold real rows.
+  __device__ __forceinline__ Tile pool_tile_work(PoolTile x) const {
+    static_assert(kPoolRowAlign == kBlockM && kPoolTileRows == kBlockM,
+                  "experts start on row tiles (rows_first numbers an expert's tiles)");
     Tile tile;
-    if constexpr (M == GemmMode::kWeightGrad) {
-      const int per_expert = p.m_tiles * p.n_tiles;
-      tile.expert = t / per_expert;
-      tile.m = (t % per_expert) / p.n_tiles;
-      tile.n = t % p.n_tiles;
-      const int rows = p.args.plan.expert_rows[tile.expert];
-      tile.k_begin = p.args.plan.expert_offset[tile.expert];
-      // K = the expert's rows, in 64-row (bf16) or 128-row (FP8) blocks: a
-      // block of padding only (zeros) is skipped.
-      constexpr int kb = kFp8 ? kBlockKFp8 : kBlockK;
-      tile.k_blocks = (rows + kb - 1) / kb;
-      tile.lower_half_used = true;
-    } else {
-      static_assert(kPoolRowAlign == kBlockM, "experts start on row tiles (rows_first numbers an expert's tiles)");
-      tile.m = t / n_cols;
-      tile.n = t % n_cols;
-      tile.expert = p.args.plan.tile_expert[tile.m];
-      tile.k_begin = 0;
-      tile.k_blocks = p.k_blocks;
-      const int begin = p.args.plan.expert_offset[tile.expert], rows = p.args.plan.expert_rows[tile.expert];
-      if (p.args.rows_first) {
-        const int first = begin / kBlockM, count = (rows + kBlockM - 1) / kBlockM;
-        const int local = t - first * n_cols;
-        tile.m = first + local % count;
-        tile.n = local / count;
-      }
-      tile.lower_half_used = begin + rows - tile.m * kBlockM > 64;
-    }
+    tile.m = x.m, tile.n = x.n, tile.expert = x.expert;
+    tile.k_begin = 0;
+    tile.k_blocks = p.k_blocks;
+    const int begin = p.args.plan.expert_offset[tile.expert], rows = p.args.plan.expert_rows[tile.expert];
+    tile.lower_half_used = begin + rows - tile.m * kBlockM > 64;
     return tile;
   }
 
