@@ -9,7 +9,10 @@
 // kernel also copies the routes of its own tokens, locally, in that time).
 // Each timing: per rank, CUDA events around its part; the slowest rank's
 // time; the median over iterations after warm-up. Table and JSON.
-// The backward is timed by bench/ep_compare.py (forward + backward).
+// Forward + backward too (the nine EP phases against the one-GPU layer's
+// forward and backward on the same per-GPU work, fp32 weight gradients):
+// with --world 1 that ratio is the EP path's own cost, no NVLink involved.
+// bench/ep_compare.py times forward + backward through PyTorch.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -111,9 +114,10 @@ int main(int argc, char** argv) {
   pa.num_experts = L;
   struct Rank {
     testing::DeviceLayer dev, alone_dev;
-    Bytes scratch, ep_scratch, alone_scratch, return_rows;
+    Bytes scratch, ep_scratch, alone_scratch, return_rows, saved, ep_saved, alone_saved;
     cuda::LayerCall call, alone_call;
-    MoeBuffers buffers, alone_buffers;
+    MoeBuffers buffers, alone_buffers;            // with their saved buffers: forward + backward
+    MoeBuffers forward_only, alone_forward_only;  // without: the forward alone
     cudaEvent_t start = nullptr, stop = nullptr;
   };
   std::vector<std::unique_ptr<Rank>> ranks;
@@ -131,21 +135,45 @@ int main(int argc, char** argv) {
     BENCH_CHECK(testing::make_device_layer(p, testing::make_layer_data(spec), DType::kF32, d, &R->dev));
     spec.problem = pa;  // T tokens routed the same way over this rank's L experts alone
     BENCH_CHECK(testing::make_device_layer(pa, testing::make_layer_data(spec), DType::kF32, d, &R->alone_dev));
-    ScratchLayout sl, sa;
+    // Scratch for either use: holding the plan (forward alone) or not (its saved buffer does).
+    ScratchLayout sl, sl_saved, sa, sa_saved;
+    SavedLayout sv, sva;
     BENCH_CHECK(scratch_layout(owner, true, &sl, true));
+    BENCH_CHECK(scratch_layout(owner, false, &sl_saved, true));
     BENCH_CHECK(scratch_layout(alone, true, &sa));
+    BENCH_CHECK(scratch_layout(alone, false, &sa_saved));
+    BENCH_CHECK(saved_layout(owner, &sv));
+    BENCH_CHECK(saved_layout(alone, &sva));
+    sl.bytes_without_slots = std::max(sl.bytes_without_slots, sl_saved.bytes_without_slots);
+    sa.bytes = std::max(sa.bytes, sa_saved.bytes);
     BENCH_CHECK(R->scratch.make(sl.bytes_without_slots, d));
+    BENCH_CHECK(R->saved.make(sv.bytes, d));
+    BENCH_CHECK(R->ep_saved.make(cuda::ep_saved_layout(layout).bytes, d));
+    BENCH_CHECK(R->alone_saved.make(sva.bytes, d));
     BENCH_CHECK(R->ep_scratch.make(cuda::ep_scratch_layout(layout).bytes, d));
     BENCH_CHECK(R->return_rows.make(static_cast<size_t>(k) * P * T * H * 2, d));  // combine_push's source [k][V][H]
     BENCH_CHECK(R->alone_scratch.make(sa.bytes, d));
     R->buffers.scratch = R->scratch.p, R->buffers.scratch_bytes = sl.bytes_without_slots;
     R->alone_buffers.scratch = R->alone_scratch.p, R->alone_buffers.scratch_bytes = sa.bytes;
+    R->forward_only = R->buffers, R->alone_forward_only = R->alone_buffers;
+    R->buffers.saved = R->saved.p, R->buffers.saved_bytes = sv.bytes;
+    R->alone_buffers.saved = R->alone_saved.p, R->alone_buffers.saved_bytes = sva.bytes;
     BENCH_CHECK(cuda::prepare_layer_call(owner, d, nullptr, R->buffers, &R->call, true));
     BENCH_CHECK(cuda::prepare_layer_call(alone, d, nullptr, R->alone_buffers, &R->alone_call));
     BENCH_CHECK(cuda_ok(cudaEventCreate(&R->start), "cudaEventCreate"));
     BENCH_CHECK(cuda_ok(cudaEventCreate(&R->stop), "cudaEventCreate"));
     ranks.push_back(std::move(R));
   }
+  auto grads = [&](int r, bool alone_work) {
+    const testing::DeviceLayer& D = alone_work ? ranks[static_cast<size_t>(r)]->alone_dev : ranks[static_cast<size_t>(r)]->dev;
+    const int64_t e0 = alone_work ? 0 : int64_t{r} * L;
+    cuda::LayerGrads g;
+    g.dx = D.dx.view().data, g.d_topk_weights = static_cast<float*>(D.d_topk_weights.view().data);
+    g.dw13 = static_cast<float*>(D.dw13.view().data) + e0 * 2 * I * H;
+    g.dw2 = static_cast<float*>(D.dw2.view().data) + e0 * H * I;
+    g.wgrad_f32 = true, g.accumulate = false;
+    return g;
+  };
   auto inputs = [&](int r, bool alone_work) {
     const testing::DeviceLayer& D = alone_work ? ranks[static_cast<size_t>(r)]->alone_dev : ranks[static_cast<size_t>(r)]->dev;
     const int64_t e0 = alone_work ? 0 : int64_t{r} * L;
@@ -159,10 +187,11 @@ int main(int argc, char** argv) {
   // returns the slowest rank's milliseconds per iteration, median.
   uint32_t epoch = 0;
   Status st;
-  auto timed = [&](int n_phases, const std::function<Status(int phase, int r)>& phase) {
+  // epochs: a forward takes one, a forward + backward three.
+  auto timed = [&](int n_phases, const std::function<Status(int phase, int r)>& phase, uint32_t epochs = 1) {
     std::vector<double> samples;
     for (int it = 0; it < warmup + iters && st.ok(); ++it) {
-      ++epoch;
+      epoch += epochs;
       for (int r = 0; r < P && st.ok(); ++r) {
         st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
         if (st.ok()) st = cuda_ok(cudaEventRecord(ranks[static_cast<size_t>(r)]->start, nullptr), "record");
@@ -197,9 +226,32 @@ int main(int argc, char** argv) {
     const cuda::LayerInputs in = inputs(r, false);
     void* y = R.dev.y.view().data;
     if (ph == 0) return cuda::ep_forward_send(R.call, ep_of(r), in, T);
-    if (ph == 1) return cuda::ep_forward_experts(R.call, ep_of(r), in, T, R.buffers);
+    if (ph == 1) return cuda::ep_forward_experts(R.call, ep_of(r), in, T, R.forward_only);
     return cuda::ep_forward_combine(R.call, ep_of(r), in, T, y);
   });
+  // Forward + backward: epochs e (forward), e + 1 (dy, the returns) and e + 2 (x again).
+  const double ep_fb_ms = timed(
+      9,
+      [&](int ph, int r) {
+        Rank& R = *ranks[static_cast<size_t>(r)];
+        const cuda::LayerInputs in = inputs(r, false);
+        const cuda::LayerGrads g = grads(r, false);
+        cuda::EpGroup fw = ep_of(r), bw = fw;  // `epoch` is the last of the three
+        fw.epoch = epoch - 2, bw.epoch = epoch - 1;
+        const void* dy = R.dev.dy.view().data;
+        switch (ph) {
+          case 0: return cuda::ep_forward_send(R.call, fw, in, T);
+          case 1: return cuda::ep_forward_experts(R.call, fw, in, T, R.buffers, R.ep_saved.p);
+          case 2: return cuda::ep_forward_combine(R.call, fw, in, T, R.dev.y.view().data);
+          case 3: return cuda::ep_backward_send_dy(R.call, bw, in, dy, T);
+          case 4: return cuda::ep_backward_experts(R.call, bw, in, dy, T, g, R.buffers, R.ep_saved.p);
+          case 5: return cuda::ep_backward_combine(R.call, bw, in, T, g);
+          case 6: return cuda::ep_backward_send_x(R.call, bw, in, T);
+          case 7: return cuda::ep_backward_weight_grads(R.call, bw, in, T, g, R.buffers, R.ep_saved.p);
+          default: return cuda::ep_backward_finish(R.call, bw);
+        }
+      },
+      3);
   // Waits for every rank's stop event; the slowest rank's start-to-stop ms.
   auto slowest_rank_ms = [&] {
     double worst = 0;
@@ -232,7 +284,7 @@ int main(int argc, char** argv) {
           Rank& R = *ranks[static_cast<size_t>(r)];
           st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
           if (st.ok())
-            st = ph == 1 ? cuda::ep_forward_experts(R.call, ep_of(r), inputs(r, false), T, R.buffers)
+            st = ph == 1 ? cuda::ep_forward_experts(R.call, ep_of(r), inputs(r, false), T, R.forward_only)
                          : cuda::ep_forward_combine(R.call, ep_of(r), inputs(r, false), T, R.dev.y.view().data);
         }
       if (it >= warmup) samples.push_back(slowest_rank_ms());
@@ -267,7 +319,13 @@ int main(int argc, char** argv) {
   // each, over L experts (uniform, or slot 0 on one hot expert when skewed).
   const double alone_ms = timed(1, [&](int, int r) {
     Rank& R = *ranks[static_cast<size_t>(r)];
-    return cuda::layer_forward(R.alone_call, inputs(r, true), R.alone_dev.y.view().data, R.alone_buffers);
+    return cuda::layer_forward(R.alone_call, inputs(r, true), R.alone_dev.y.view().data, R.alone_forward_only);
+  });
+  const double alone_fb_ms = timed(2, [&](int ph, int r) {
+    Rank& R = *ranks[static_cast<size_t>(r)];
+    if (ph == 0) return cuda::layer_forward(R.alone_call, inputs(r, true), R.alone_dev.y.view().data, R.alone_buffers);
+    return cuda::layer_backward(R.alone_call, inputs(r, true), R.alone_dev.dy.view().data, grads(r, true),
+                                R.alone_buffers);
   });
   for (int r = 0; r < P && st.ok(); ++r) st = check_device_errors(devices[static_cast<size_t>(r)], nullptr);
   if (!st.ok()) return fail(st);
@@ -305,6 +363,9 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f\n", "EP forward (slowest rank)", ep_ms);
   std::printf("%-34s %10.3f\n", "no communication, T tokens, E/P", alone_ms);
   std::printf("%-34s %10.3f  (%.3f)\n", "ratio EP / no communication", ep_ms / alone_ms, ep_ms / alone_ms);
+  std::printf("%-34s %10.3f\n", "EP forward+backward", ep_fb_ms);
+  std::printf("%-34s %10.3f\n", "no communication, fwd+bwd", alone_fb_ms);
+  std::printf("%-34s %10.3f\n", "ratio EP / no comm., fwd+bwd", ep_fb_ms / alone_fb_ms);
   std::printf("%-34s %10.3f  %.1f GB/s (rank 0 sends %.3f GB)\n", "dispatch push alone", push_ms[0],
               sent_gb / (push_ms[0] / 1e3), sent_gb);
   std::printf("%-34s %10.3f  %.1f GB/s (rank 0 returns %.3f GB)\n", "combine return alone (copy)", return_ms,
@@ -315,9 +376,10 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    "{\"preset\": \"%s\", \"world\": %d, \"shared_gpus\": %s, \"tokens_per_rank\": %lld, "
                    "\"routing\": \"%s\", \"ep_forward_ms\": %.4f, \"no_comm_forward_ms\": %.4f, "
+                   "\"ep_fwd_bwd_ms\": %.4f, \"no_comm_fwd_bwd_ms\": %.4f, "
                    "\"dispatch_ms\": %.4f, \"dispatch_gb\": %.4f, \"return_ms\": %.4f, \"return_gb\": %.4f}\n",
                    shape->name, P, shared ? "true" : "false", static_cast<long long>(T), opt["routing"].c_str(), ep_ms,
-                   alone_ms, push_ms[0], sent_gb, return_ms, returned_gb);
+                   alone_ms, ep_fb_ms, alone_fb_ms, push_ms[0], sent_gb, return_ms, returned_gb);
       std::fclose(f);
     }
   }

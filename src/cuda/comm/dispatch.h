@@ -34,7 +34,10 @@
 //                           (cuda/comm/combine.h)
 //   byte route_values_offset()   (128-aligned) f32 [own tokens][top_k]: one value per
 //                           route returned with them (the backward's d topk_w)
-// Slots [own rank][...] are unused, except as an FP8 forward's own e4m3 rows. Capacity: max_tokens slots per source and
+// Slots [own rank][...] hold this rank's own rows only when asked (DispatchArgs::own_slot:
+// then recv is the whole virtual token matrix [world * max_tokens][hidden] of
+// cuda/comm/ep_routing.h, which the owner's GEMM gathers from) or as an FP8
+// forward's own e4m3 rows; otherwise they are unused. Capacity: max_tokens slots per source and
 // a token goes at most once to a rank, so nothing can overflow; tokens >
 // max_tokens is an error before any write. Expert e lives on rank
 // e / experts_per_rank.
@@ -100,6 +103,10 @@ struct DispatchArgs {
   // whole row. An FP8 forward pushes its e4m3 slots (e4m3_slot_bytes(hidden)),
   // x then pointing at its own slots [own rank][0].
   int64_t row_bytes = 0;
+  // Also store each row (all `tokens`, routed anywhere or not) into this
+  // rank's own slot [rank][t]: a local write beside the push, which reads the
+  // row anyway.
+  bool own_slot = false;
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
   const float* topk_weights = nullptr;  // [tokens, layout.top_k] or null: sent to every rank, this one too
   int64_t tokens = 0;

@@ -76,11 +76,7 @@ Status rows_to_pool(const void* rows, int64_t width, const DevicePlan& plan, con
 // too 0.15-0.2 ms slower in f+b, sessions 36-37), then kDownGrad, dW2 (the last
 // reader of dy's pool), kGateUpGrad scattering x into the pool, dW13 combining
 // dx from kGateUpGrad's slots.
-#ifdef MEGAMOE_SIDE_JOBS
-constexpr bool kSideJobs = true;
-#else
-constexpr bool kSideJobs = false;
-#endif
+using detail::kSideJobs;
 bool side_jobs(const LayerDims& d) { return kSideJobs && !fp8_backward(d) && !gathers_rows(d); }
 
 Status backward_with_side_jobs(const LayerCall& call, const DevicePlan& plan, const Carved& c, const LayerInputs& in,

@@ -140,6 +140,8 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
                                                         detail::fp8_scale_of(call.dims), own_slots,
                                                         static_cast<int64_t>(ep.layout.slot_bytes()), call.stream));
     a = e4m3;
+  } else {
+    a.own_slot = true;  // recv becomes the virtual token matrix that the owner's kGateUp gathers from
   }
   return dispatch_push(ep.view, ep.layout, a, call.stream);
 }
@@ -185,12 +187,30 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
     MEGAMOE_RETURN_IF_ERROR(detail::fp8_gate_up(call, plan, c, f, nullptr, in.w13, z_keep, c.a_pool, sms, true));
     MEGAMOE_RETURN_IF_ERROR(detail::fp8_down(call, plan, c, f, in.w2, weights, sms, &y_slots));
   } else {
-    MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
-                                           plan.pool_rows, C, c.xdy_pool, call.stream));
     GroupedGemmArgs g1 = detail::pool_gemm(GemmMode::kGateUp, call, plan, C, c.xdy_pool, H, in.w13, L * 2 * I, H, I);
     g1.out0 = z_keep;
     g1.out1 = c.a_pool;
-    MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
+    // kGateUp gathers its pool itself in its idle producer warps, as on one
+    // GPU (cuda_layer.cu's gate_up), from the receive area, which the send
+    // made the whole virtual token matrix [V, H] (own rows in own slots);
+    // each tile held until its 128 rows are in. Row tile counts in
+    // dw_partial, free until a backward's kDownGrad.
+    bool gathered_by_gemm = false;
+    if (detail::kSideJobs) {
+      GroupedGemmArgs own = g1;
+      const void* recv = static_cast<const char*>(ep.view.local) + DispatchLayout::kRecvOffset;
+      MEGAMOE_RETURN_IF_ERROR(
+          detail::gather_own_a(own, recv, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
+      const Status st = launch_grouped_gemm(own, sms, call.stream);
+      // Refused where the SMs are partitioned (no cooperative launch): a gather kernel first.
+      if (st.code() != StatusCode::kUnavailable) MEGAMOE_RETURN_IF_ERROR(st);
+      gathered_by_gemm = st.ok();
+    }
+    if (!gathered_by_gemm) {
+      MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
+                                             plan.pool_rows, C, c.xdy_pool, call.stream));
+      MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
+    }
     GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);
     g2.topk_weights = weights;
     g2.peer_slots = y_slots;

@@ -41,6 +41,15 @@ Status carve_fp8_weights(const LayerDims& dims, void* buffer, Fp8Carved* f);
 
 int sm_count(int device);
 
+// The bf16 layers' memory-bound steps as side jobs of their GEMMs (the idle
+// producer warps), -DMEGAMOE_SIDE_JOBS (on by default): cuda_layer.cu says
+// which; the EP forward's kGateUp gathers its pool so too (ep_layer.cu).
+#ifdef MEGAMOE_SIDE_JOBS
+inline constexpr bool kSideJobs = true;
+#else
+inline constexpr bool kSideJobs = false;
+#endif
+
 DevicePlan device_plan(const DevicePlanBuffers& b, const LayerDims& d);
 
 // Whether an M-grouped GEMM walks its experts' tiles rows first
