@@ -39,6 +39,7 @@ struct EpCase {
   bool last_rank_empty = false;  // the last rank brings no tokens (its experts still work for the others);
                                  // its token tensors are then null, as PyTorch's empty CUDA tensors are
   Precision precision = Precision::kBF16;  // FP8: against the one-GPU FP8 layer, bit for bit as well
+  bool pull_rows = false;  // EpGroup::pull_rows: the owners' kGateUp pulls the forward's rows
 };
 void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
 
@@ -131,7 +132,7 @@ int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0
 // rows of its tokens and experts, bit for bit.
 // rank_major: every rank enqueues all its phases on a stream of its own before
 // the next rank starts (as separate processes would), so the device-side
-// waits alone order the ranks; otherwise phase-major on the default stream.
+// waits alone order the ranks (distinct GPUs only: ep_layer.h); otherwise phase-major on the default stream.
 void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, bool rank_major = false) {
   const int P = c.world, L = c.experts / P, k = c.top_k;
   const int64_t H = c.hidden, I = c.intermediate, base = 150;
@@ -216,6 +217,7 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
       cuda::EpGroup ep;
       ep.view = group->view(r), ep.layout = layout, ep.num_experts = c.experts, ep.epoch = e;
       ep.scratch = ranks[static_cast<size_t>(r)].ep_scratch->p;
+      ep.pull_rows = c.pull_rows;
       return ep;
     };
     // Forward (3 phases), then backward (6).
@@ -278,13 +280,6 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
 
 class EpLayer : public ::testing::TestWithParam<EpCase> {};
 
-// Two ranks on one GPU, each on its own stream, each enqueuing its whole call
-// before the other starts: only the device-side flags order them.
-TEST(EpLayerStreams, RanksOnTheirOwnStreamsAreBitwiseTheOneGpuLayer) {
-  MEGAMOE_REQUIRE_GPU();
-  expect_ep_equals_one_gpu(EpCase{"P2_streams", 2, 256, 256, 8, 2, Routing::kWithDrops}, {0, 0}, true);
-}
-
 TEST_P(EpLayer, ForwardAndBackwardAreBitwiseTheOneGpuLayerOnTheWholeBatch) {
   MEGAMOE_REQUIRE_GPU();
   expect_ep_equals_one_gpu(GetParam(), std::vector<int>(static_cast<size_t>(GetParam().world), 0));
@@ -305,13 +300,31 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
                                            EpCase{"P4_E8_k2_drops_fp8_bwd", 4, 256, 128, 8, 2, Routing::kWithDrops,
                                                   false, Precision::kFP8Bwd},
                                            EpCase{"P3_E6_k2_last_rank_empty_fp8", 3, 128, 128, 6, 2,
-                                                  Routing::kUniform, true, Precision::kFP8}),
+                                                  Routing::kUniform, true, Precision::kFP8},
+                                           // the owners pull the forward's rows (EpGroup::pull_rows)
+                                           EpCase{"P2_E8_k2_pull", 2, 256, 256, 8, 2, Routing::kUniform, false,
+                                                  Precision::kBF16, true},
+                                           EpCase{"P4_E8_k2_drops_pull", 4, 256, 128, 8, 2, Routing::kWithDrops,
+                                                  false, Precision::kBF16, true},
+                                           EpCase{"P8_E16_k4_pull", 8, 128, 128, 16, 4, Routing::kUniform, false,
+                                                  Precision::kBF16, true},
+                                           EpCase{"P3_E6_k2_last_rank_empty_pull", 3, 128, 128, 6, 2,
+                                                  Routing::kUniform, true, Precision::kBF16, true},
+                                           // FP8 pushes whatever pull_rows says
+                                           EpCase{"P2_E8_k2_fp8_pull", 2, 256, 256, 8, 2, Routing::kUniform, false,
+                                                  Precision::kFP8, true}),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
+// Each rank on its own GPU and stream, enqueuing its whole call before the
+// next rank starts: only the device-side flags order them. (Ranks sharing a
+// GPU cannot be driven so: a rank's spin-wait may hold an SM that another
+// rank's cooperative kGateUp needs; ep_layer.h.)
 TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1}, true);
+  expect_ep_equals_one_gpu(
+      EpCase{"P2_two_gpus_pull", 2, 256, 256, 8, 2, Routing::kUniform, false, Precision::kBF16, true}, {0, 1}, true);
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus_fp8", 2, 256, 256, 8, 2, Routing::kWithDrops, false, Precision::kFP8},
                            {0, 1}, true);
 }
@@ -328,7 +341,7 @@ TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on
 // Ranks 0..P-2 call the forward; rank P-1 never comes. Every present rank's
 // call must end (bounded waits), the error must name the missing rank, y must
 // be NaN rather than stale, and the context must stay usable.
-void expect_missing_rank_is_named(const std::vector<int>& devices) {
+void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_rows = false) {
   const int P = static_cast<int>(devices.size()), E = 2 * P, L = 2, k = 2;
   const int64_t H = 128, I = 128, T = 64;
   cuda::DispatchLayout layout;
@@ -371,6 +384,7 @@ void expect_missing_rank_is_named(const std::vector<int>& devices) {
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::EpGroup ep;
       ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = 1, ep.scratch = R.ep_scratch->p;
+      ep.pull_rows = pull_rows;
       const cuda::LayerInputs in{R.dev->x.view().data, static_cast<const int32_t*>(R.dev->topk_idx.view().data),
                                  static_cast<const float*>(R.dev->topk_weights.view().data),
                                  static_cast<const uint16_t*>(R.dev->w13.view().data) + int64_t{r} * L * 2 * I * H,
@@ -397,9 +411,106 @@ void expect_missing_rank_is_named(const std::vector<int>& devices) {
   EXPECT_EQ(cudaMemcpy(&probe_word, ranks[0].ep_scratch->p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
 }
 
+// Every rank runs the forward; rank P-1 then dies before its backward. The
+// present ranks' backward must end (bounded waits), name the missing rank,
+// and leave dx and d topk_w NaN (their tokens' routes to its experts never
+// came back), not stale: bf16 sums dx inside dW13, FP8 in the combine phase.
+void expect_rank_missing_from_backward_is_named(int P, Precision precision) {
+  const int E = 2 * P, L = 2, k = 2;
+  const int64_t H = 128, I = 128, T = 64;
+  cuda::DispatchLayout layout;
+  layout.world = P, layout.max_tokens = T, layout.hidden = H, layout.top_k = k;
+  std::unique_ptr<cuda::PeerGroup> group;
+  MEGAMOE_ASSERT_OK(cuda::make_one_process_group(std::vector<int>(static_cast<size_t>(P), 0), layout.bytes(), &group));
+  MoeProblem p;
+  p.num_tokens = T, p.hidden = H, p.intermediate = I, p.num_experts = E, p.top_k = k, p.max_tokens_per_rank = T;
+  LayerSpec spec;
+  spec.problem = p, spec.seed = 6;
+  const LayerData data = make_layer_data(spec);
+  cuda::EpGroup probe;
+  probe.layout = layout, probe.num_experts = E;
+  LayerDims d = cuda::ep_owner_dims(probe, I);
+  d.precision = precision;
+  ScratchLayout sl;
+  SavedLayout sv;
+  MEGAMOE_ASSERT_OK(scratch_layout(d, false, &sl, true));
+  MEGAMOE_ASSERT_OK(saved_layout(d, &sv));
+  struct Rank {
+    std::unique_ptr<DeviceBytes> scratch, saved, ep_scratch, ep_saved, fp8_weights;
+    std::unique_ptr<DeviceLayer> dev;
+    cuda::LayerCall call;
+    MoeBuffers buffers;
+  };
+  std::vector<Rank> ranks(static_cast<size_t>(P));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  for (int r = 0; r < P; ++r) {
+    Rank& R = ranks[static_cast<size_t>(r)];
+    R.scratch = std::make_unique<DeviceBytes>(sl.bytes_without_slots);
+    R.saved = std::make_unique<DeviceBytes>(sv.bytes);
+    R.ep_scratch = std::make_unique<DeviceBytes>(cuda::ep_scratch_layout(layout).bytes);
+    R.ep_saved = std::make_unique<DeviceBytes>(cuda::ep_saved_layout(layout).bytes);
+    R.dev = std::make_unique<DeviceLayer>();
+    MEGAMOE_ASSERT_OK(make_device_layer(p, data, DType::kF32, 0, R.dev.get()));
+    MEGAMOE_ASSERT_OK(R.dev->dx.fill_bytes(0));  // finite: a NaN afterwards is the call's doing
+    MEGAMOE_ASSERT_OK(R.dev->d_topk_weights.fill_bytes(0));
+    R.buffers.scratch = R.scratch->p, R.buffers.scratch_bytes = sl.bytes_without_slots;
+    R.buffers.saved = R.saved->p, R.buffers.saved_bytes = sv.bytes;
+    R.fp8_weights = fp8_weight_buffer(d, &R.buffers);
+    R.call.errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 100'000'000ull;  // 0.1 s
+    MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, 0, nullptr, R.buffers, &R.call, true));
+  }
+  for (int phase = 0; phase < 9; ++phase)
+    for (int r = 0; r < (phase < 3 ? P : P - 1); ++r) {  // rank P-1: the forward only
+      Rank& R = ranks[static_cast<size_t>(r)];
+      cuda::EpGroup ep;
+      ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.scratch = R.ep_scratch->p;
+      ep.epoch = phase < 3 ? 1 : 2;
+      const cuda::LayerInputs in = layer_inputs(*R.dev, 0, int64_t{r} * L, 0, p);
+      const cuda::LayerGrads g = layer_grads(*R.dev, 0, int64_t{r} * L, 0, p);
+      const void* dy = R.dev->dy.view().data;
+      switch (phase) {
+        case 0: MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, ep, in, T)); break;
+        case 1: MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, T, R.buffers, R.ep_saved->p)); break;
+        case 2: MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, T, R.dev->y.view().data)); break;
+        case 3: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_dy(R.call, ep, in, dy, T)); break;
+        case 4: MEGAMOE_ASSERT_OK(cuda::ep_backward_experts(R.call, ep, in, dy, T, g, R.buffers, R.ep_saved->p)); break;
+        case 5: MEGAMOE_ASSERT_OK(cuda::ep_backward_combine(R.call, ep, in, T, g)); break;
+        case 6: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_x(R.call, ep, in, T)); break;
+        case 7: MEGAMOE_ASSERT_OK(cuda::ep_backward_weight_grads(R.call, ep, in, T, g, R.buffers, R.ep_saved->p)); break;
+        default: MEGAMOE_ASSERT_OK(cuda::ep_backward_finish(R.call, ep)); break;
+      }
+    }
+  const Status st = check_device_errors(0, nullptr);  // one report per device: the first wins
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("rank " + std::to_string(P - 1) + " never delivered its part"), std::string::npos)
+      << st.message();
+  for (int r = 0; r < P - 1; ++r) {
+    HostTensor dx(DType::kBF16, {T, H}), dw(DType::kF32, {T, static_cast<int64_t>(k)});
+    MEGAMOE_ASSERT_OK(ranks[static_cast<size_t>(r)].dev->dx.download(&dx));
+    MEGAMOE_ASSERT_OK(ranks[static_cast<size_t>(r)].dev->d_topk_weights.download(&dw));
+    int64_t finite = 0;
+    for (int64_t i = 0; i < T * H; ++i) finite += std::isfinite(dx.get(i));
+    EXPECT_EQ(finite, 0) << "rank " << r << ": dx must be NaN when a rank died before its backward";
+    finite = 0;
+    for (int64_t i = 0; i < T * k; ++i) finite += std::isfinite(dw.get(i));
+    EXPECT_EQ(finite, 0) << "rank " << r << ": d topk_w must be NaN when a rank died before its backward";
+  }
+  int32_t probe_word = 0;  // the context is still usable
+  EXPECT_EQ(cudaMemcpy(&probe_word, ranks[0].ep_scratch->p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+TEST(EpLayerFaults, ARankThatDiesBeforeItsBackwardIsNamedAndDxIsNaN) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_rank_missing_from_backward_is_named(3, Precision::kBF16);
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_rank_missing_from_backward_is_named(3, Precision::kFP8);
+}
+
 TEST(EpLayerFaults, EightRanksOnOneGpuNameTheOneThatNeverCame) {  // issue 13's fault test, on one GPU
   MEGAMOE_REQUIRE_GPU();
   expect_missing_rank_is_named(std::vector<int>(8, 0));
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_missing_rank_is_named(std::vector<int>(8, 0), /*pull_rows=*/true);
 }
 
 TEST(MultiGpu, AMissingRankIsNamedAcrossGpus) {

@@ -24,6 +24,7 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
     const int owner = e >= 0 ? e / a.experts_per_rank : -1;
     const uint32_t mine = owner >= 0 && owner < v.world ? 1u << owner : 0u;
     uint32_t ranks = __reduce_or_sync(0xFFFFFFFFu, mine) & ~(1u << v.rank);
+    if (!a.rows_to_peers) ranks = 0;
     if (a.own_slot) ranks |= 1u << v.rank;  // v.peers[v.rank] is this rank's own buffer
     // Every other rank gets the token's routing, wherever its row goes.
     if (lane < k)

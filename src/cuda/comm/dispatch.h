@@ -107,6 +107,10 @@ struct DispatchArgs {
   // rank's own slot [rank][t]: a local write beside the push, which reads the
   // row anyway.
   bool own_slot = false;
+  // false: no row goes to another rank (only the routing, weights and counts,
+  // and own_slot's copy): the owners pull the rows from this rank's own slots
+  // themselves (EpGroup::pull_rows).
+  bool rows_to_peers = true;
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
   const float* topk_weights = nullptr;  // [tokens, layout.top_k] or null: sent to every rank, this one too
   int64_t tokens = 0;

@@ -53,11 +53,14 @@ Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArg
 // after build_ep_virtual_routing and the plan, on the same stream. With
 // source_counts (this epoch's, from build_ep_virtual_routing), a row of a token
 // its source did not deliver this time (count -1, or t past it: a plan kept
-// from an earlier epoch) is NaN, never the stale slot. (A copy for now; the
-// GEMM's producer is to read the rows in place once it gathers.)
+// from an earlier epoch) is NaN, never the stale slot. (The bf16 forward's
+// kGateUp gathers its rows itself, in its side jobs: this copy serves the
+// backward and a forward without side jobs.) With peers
+// (the group's buffers, EpGroup::pull_rows), another rank's row is read from
+// that rank's own slot [s][t] over NVLink instead of this rank's receive area.
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
-                      cudaStream_t stream, const int64_t* source_counts = nullptr);
+                      cudaStream_t stream, const int64_t* source_counts = nullptr, void* const* peers = nullptr);
 
 // The FP8 forward's form: the pool's e4m3 rows q [capacity, hidden] and
 // their row scales [capacity, hidden / 128] from the slots' e4m3 form

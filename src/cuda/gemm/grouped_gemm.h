@@ -216,6 +216,14 @@ struct GroupedGemmArgs {
     // pool with each token row read from DRAM once, not top_k times.
     const int32_t* route_row = nullptr;
     int64_t tokens = 0;
+    // Token rows spread over several ranks' buffers (expert parallelism: the
+    // owner's kGateUp pulling each pool row from its source rank, over NVLink
+    // for another GPU's): with source_buffers (a device array), token row v
+    // lives in source_buffers[v / tokens_per_source] at byte offset
+    // source_offset + v * width * 2, and src is unused. Gather form only.
+    void* const* source_buffers = nullptr;
+    size_t source_offset = 0;
+    int tokens_per_source = 0;
   };
   SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,

@@ -125,6 +125,8 @@ __device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGath
 // sectors, so that the copies' loads find L2. With rows_ready (kGateUp
 // gathering its own A) each row is counted once in, and warp w's first row
 // is row w: the first row tiles come in first, as the tiles want them.
+// With source_buffers a row is read from its source rank's buffer (the EP
+// forward's pull: over NVLink, inside the GEMM).
 __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -137,17 +139,24 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     const int32_t v = s.row_src[r];
     return v < 0 ? -1 : v / s.top_k;
   };
+  auto token_row = [&](int v) {  // where token row v is: src, or its source rank's buffer
+    const char* base = s.source_buffers == nullptr
+                           ? static_cast<const char*>(s.src)
+                           : static_cast<const char*>(s.source_buffers[v / s.tokens_per_source]) + s.source_offset;
+    return reinterpret_cast<const uint4*>(base) + static_cast<int64_t>(v) * chunks;
+  };
   int next = warp < rows ? source(warp) : -1;
   for (int r = warp; r < rows; r += warps) {
     const int from = next;
     next = r + warps < rows ? source(r + warps) : -1;
-    if (next >= 0)
-      for (int c = lane * 2; c < chunks; c += 64)
-        prefetch_l2(static_cast<const uint4*>(s.src) + static_cast<int64_t>(next) * chunks + c);
+    if (next >= 0) {
+      const uint4* ahead = token_row(next);
+      for (int c = lane * 2; c < chunks; c += 64) prefetch_l2(ahead + c);
+    }
     if (from < 0) {
       zero_pool_row(s.pool, r, chunks, lane);
     } else {
-      const uint4* __restrict__ in = static_cast<const uint4*>(s.src) + static_cast<int64_t>(from) * chunks;
+      const uint4* __restrict__ in = token_row(from);
       uint4* __restrict__ out = static_cast<uint4*>(s.pool) + static_cast<int64_t>(r) * chunks;
       for (int c0 = lane; c0 < chunks; c0 += kSideLoads * 32) {  // kSideLoads loads in flight, then their stores
         uint4 v[kSideLoads];

@@ -142,6 +142,7 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
     a = e4m3;
   } else {
     a.own_slot = true;  // recv becomes the virtual token matrix that the owner's kGateUp gathers from
+    a.rows_to_peers = !ep.pull_rows;  // pulled: the owners read the own slots where they are
   }
   return dispatch_push(ep.view, ep.layout, a, call.stream);
 }
@@ -201,6 +202,12 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
       const void* recv = static_cast<const char*>(ep.view.local) + DispatchLayout::kRecvOffset;
       MEGAMOE_RETURN_IF_ERROR(
           detail::gather_own_a(own, recv, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
+      if (ep.pull_rows) {  // row v in its source's own slot: the same offset in that rank's buffer
+        own.side_gather.src = nullptr;
+        own.side_gather.source_buffers = ep.view.peers;
+        own.side_gather.source_offset = DispatchLayout::kRecvOffset;
+        own.side_gather.tokens_per_source = static_cast<int>(ep.layout.max_tokens);
+      }
       const Status st = launch_grouped_gemm(own, sms, call.stream);
       // Refused where the SMs are partitioned (no cooperative launch): a gather kernel first.
       if (st.code() != StatusCode::kUnavailable) MEGAMOE_RETURN_IF_ERROR(st);
@@ -208,7 +215,8 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
     }
     if (!gathered_by_gemm) {
       MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
-                                             plan.pool_rows, C, c.xdy_pool, call.stream));
+                                             plan.pool_rows, C, c.xdy_pool, call.stream, nullptr,
+                                             ep.pull_rows ? ep.view.peers : nullptr));
       MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
     }
     GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);

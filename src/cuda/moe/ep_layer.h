@@ -24,7 +24,10 @@
 // each output element is the same dot product in the same order: y is
 // bitwise the one-GPU layer's on the whole batch. layer_forward_ep runs the
 // three phases in turn; one process driving several ranks on one GPU runs
-// each phase for every rank before the next (a phase waits for the others').
+// each phase for every rank before the next, all on one stream (a phase
+// waits for the others', and the forward's kGateUp is a cooperative launch
+// that needs every SM: on streams of their own, one rank's spin-wait could
+// hold an SM that another rank's kGateUp waits for, and neither moves).
 //
 // Epochs: a forward takes one (ep.epoch), a backward two (ep.epoch and
 // ep.epoch + 1); every call on a symmetric buffer must start above the last
@@ -78,6 +81,14 @@ struct EpGroup {
   int num_experts = 0;    // E over the whole group, a multiple of world
   uint32_t epoch = 0;     // > 0, growing from call to call, the same on every rank
   void* scratch = nullptr;  // ep_scratch_layout(layout).bytes, 256-byte aligned, zeroed once before first use
+  // The bf16 forward's token rows: false, each source pushes every row once
+  // to each rank that needs it before the owners' GEMMs start (dispatch.h);
+  // true, each source only copies its rows into its own slots and the owners'
+  // kGateUp pulls each pool row from there while it runs (NVLink reads inside
+  // the GEMM: the transfer overlaps its tiles, at the cost of a token's row
+  // crossing once per route to that rank rather than once). The same on every
+  // rank of a call. FP8's forward and the backward always push.
+  bool pull_rows = false;
 };
 
 // This rank's small EP scratch (its own device memory, not shared):
