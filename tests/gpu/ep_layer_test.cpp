@@ -127,6 +127,27 @@ int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0
   return n;
 }
 
+// Phase `phase` of a call for one rank: the forward's three (fw's epoch),
+// then the backward's six (bw's). Phase 1 keeps what a backward needs when
+// ep_saved is given (buffers then with their saved buffer), else nothing.
+Status run_ep_phase(int phase, const cuda::LayerCall& call, const cuda::EpGroup& fw, const cuda::EpGroup& bw,
+                    const cuda::LayerInputs& in, const cuda::LayerGrads& g, int64_t n, void* y, const void* dy,
+                    const MoeBuffers& buffers, void* ep_saved) {
+  switch (phase) {
+    case 0: return cuda::ep_forward_send(call, fw, in, n);
+    case 1:
+      return ep_saved != nullptr ? cuda::ep_forward_experts(call, fw, in, n, buffers, ep_saved)
+                                 : cuda::ep_forward_experts(call, fw, in, n, buffers);
+    case 2: return cuda::ep_forward_combine(call, fw, in, n, y);
+    case 3: return cuda::ep_backward_send_dy(call, bw, in, dy, n);
+    case 4: return cuda::ep_backward_experts(call, bw, in, dy, n, g, buffers, ep_saved);
+    case 5: return cuda::ep_backward_combine(call, bw, in, n, g);
+    case 6: return cuda::ep_backward_send_x(call, bw, in, n);
+    case 7: return cuda::ep_backward_weight_grads(call, bw, in, n, g, buffers, ep_saved);
+    default: return cuda::ep_backward_finish(call, bw);
+  }
+}
+
 // Ranks on `devices` (repeats: several ranks on one GPU), two calls (forward
 // and backward each); every rank's outputs must equal the one-GPU layer's
 // rows of its tokens and experts, bit for bit.
@@ -234,20 +255,8 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
         const cuda::EpGroup fw = ep_of(r, epoch), bw = ep_of(r, epoch + 1);
         void* y = empty ? nullptr : static_cast<uint16_t*>(D.y.view().data) + t0 * H;
         const void* dy = empty ? nullptr : static_cast<const uint16_t*>(D.dy.view().data) + t0 * H;
-        switch (phase) {
-          case 0: MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, fw, in, n)); break;
-          case 1:
-            MEGAMOE_ASSERT_OK(backward ? cuda::ep_forward_experts(R.call, fw, in, n, R.buffers, R.ep_saved->p)
-                                       : cuda::ep_forward_experts(R.call, fw, in, n, R.forward_only));
-            break;
-          case 2: MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, fw, in, n, y)); break;
-          case 3: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_dy(R.call, bw, in, dy, n)); break;
-          case 4: MEGAMOE_ASSERT_OK(cuda::ep_backward_experts(R.call, bw, in, dy, n, g, R.buffers, R.ep_saved->p)); break;
-          case 5: MEGAMOE_ASSERT_OK(cuda::ep_backward_combine(R.call, bw, in, n, g)); break;
-          case 6: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_x(R.call, bw, in, n)); break;
-          case 7: MEGAMOE_ASSERT_OK(cuda::ep_backward_weight_grads(R.call, bw, in, n, g, R.buffers, R.ep_saved->p)); break;
-          default: MEGAMOE_ASSERT_OK(cuda::ep_backward_finish(R.call, bw)); break;
-        }
+        MEGAMOE_ASSERT_OK(run_ep_phase(phase, R.call, fw, bw, in, g, n, y, dy,
+                                       backward ? R.buffers : R.forward_only, backward ? R.ep_saved->p : nullptr));
     };
     const int phases = backward ? 9 : 3;
     // The first call runs phase-major even in rank_major mode: it loads every
@@ -467,18 +476,8 @@ void expect_rank_missing_from_backward_is_named(int P, Precision precision) {
       ep.epoch = phase < 3 ? 1 : 2;
       const cuda::LayerInputs in = layer_inputs(*R.dev, 0, int64_t{r} * L, 0, p);
       const cuda::LayerGrads g = layer_grads(*R.dev, 0, int64_t{r} * L, 0, p);
-      const void* dy = R.dev->dy.view().data;
-      switch (phase) {
-        case 0: MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, ep, in, T)); break;
-        case 1: MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, T, R.buffers, R.ep_saved->p)); break;
-        case 2: MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, T, R.dev->y.view().data)); break;
-        case 3: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_dy(R.call, ep, in, dy, T)); break;
-        case 4: MEGAMOE_ASSERT_OK(cuda::ep_backward_experts(R.call, ep, in, dy, T, g, R.buffers, R.ep_saved->p)); break;
-        case 5: MEGAMOE_ASSERT_OK(cuda::ep_backward_combine(R.call, ep, in, T, g)); break;
-        case 6: MEGAMOE_ASSERT_OK(cuda::ep_backward_send_x(R.call, ep, in, T)); break;
-        case 7: MEGAMOE_ASSERT_OK(cuda::ep_backward_weight_grads(R.call, ep, in, T, g, R.buffers, R.ep_saved->p)); break;
-        default: MEGAMOE_ASSERT_OK(cuda::ep_backward_finish(R.call, ep)); break;
-      }
+      MEGAMOE_ASSERT_OK(run_ep_phase(phase, R.call, ep, ep, in, g, T, R.dev->y.view().data, R.dev->dy.view().data,
+                                     R.buffers, R.ep_saved->p));
     }
   const Status st = check_device_errors(0, nullptr);  // one report per device: the first wins
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
