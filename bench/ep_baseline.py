@@ -45,6 +45,22 @@ def a2a_forward(x, idx, w, w13, w2, group, expert_fn):
     return x.new_zeros(T, H).scatter_add(0, (routes // k)[:, None].expand(-1, H), scaled)
 
 
+def sonicmoe_experts(x, idx, w, w13, w2):
+    """The owner's expert compute with SonicMoE (its moe_general_routing_inputs, called as
+    bench/compare_torch.py's SonicMoeImpl calls it): row i of x [N, H] through expert
+    idx[i, 0] of w13 [L, 2I, H] / w2 [L, H, I], scaled by w[i, 0] (the a2a pipeline passes
+    ones: it scales at the source). Autograd through SonicMoE's own backward."""
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_general_routing_inputs
+
+    token = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    expert = idx.reshape(-1).to(torch.int32).contiguous()
+    y, _ = moe_general_routing_inputs(x, w.reshape(-1).contiguous(), token, expert, w13.permute(1, 2, 0), None,
+                                      w2.permute(1, 2, 0), None, w13.shape[0], torch.cuda.current_stream().cuda_stream,
+                                      ActivationType.SWIGLU, False, True)
+    return y
+
+
 @functools.cache
 def compiled_grouped_mm():
     """The owner's expert compute of the baseline: bench/compare_torch.py's grouped_mm

@@ -12,11 +12,14 @@ the slowest rank's time):
                     torch.compile'd grouped_mm pipeline of bench/compare_torch.py
   no_comm           the same per-GPU expert work without communication: megamoe on one GPU,
                     --tokens tokens routed over the E / P local experts
+  a2a_sonicmoe      (--with-sonicmoe) the same NCCL all_to_all_single pipeline with SonicMoE as
+                    the owner's expert compute (bench/ep_baseline.py's sonicmoe_experts); its
+                    first call compiles SonicMoE's kernels for minutes (carry its DSL cache)
 --precision fp8 / fp8_bwd (and --fp8-scale pow2) runs megamoe_ep and no_comm in that recipe (FP8 weights
 cached, as in training); the a2a pipeline stays bf16, and y's check against it then takes FP8's bound.
 Before timing, megamoe_ep's y is checked against a2a_gmm_compile's: 2e-2 in bf16; fp8 1e-1 (chained e4m3
 GEMMs, docs/numerics.md), fp8_bwd (a bf16 forward) 2e-2.
-Not yet: SonicMoE as the a2a pipeline's expert compute, torch.ops.symm_mem.all_to_all_vdev.
+torch.ops.symm_mem.all_to_all_vdev: bench/ep_vdev_probe.py (the dispatch and return exchanges alone).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def _rank_main(rank, world, args, init_file, out_file):
     import torch.distributed as dist
 
     import megamoe
-    from ep_baseline import a2a_forward, compiled_grouped_mm
+    from ep_baseline import a2a_forward, compiled_grouped_mm, sonicmoe_experts
     from megamoe.train import PRESETS
 
     torch.cuda.set_device(rank)
@@ -101,6 +104,8 @@ def _rank_main(rank, world, args, init_file, out_file):
                 y = megamoe.moe(xa, idx, wa, w13a, w2a, group=dist.group.WORLD, max_tokens=T, **recipe)
             elif name == "a2a_gmm_compile":
                 y = a2a_forward(xa, idx, wa, w13a, w2a, dist.group.WORLD, expert_fn)
+            elif name == "a2a_sonicmoe":
+                y = a2a_forward(xa, idx, wa, w13a, w2a, dist.group.WORLD, sonicmoe_experts)
             else:
                 y = megamoe.moe(xa, local_idx, wa, w13a, w2a, **recipe)
             y.backward(dy)
@@ -110,13 +115,21 @@ def _rank_main(rank, world, args, init_file, out_file):
         err = ((y_ep.float() - y_a2a.float()).norm() / y_a2a.float().norm().clamp_min(1e-30)).item()
         results = {"preset": args.preset, "tokens_per_rank": T, "world": world, "routing": args.routing,
                    "precision": args.precision, "fp8_scale": args.fp8_scale, "y_rel_err_vs_a2a": err}
-        for name in ("megamoe_ep", "a2a_gmm_compile", "no_comm"):
+        if args.with_sonicmoe:  # checked against the compiled pipeline's y too (both bf16)
+            y_sonic = run("a2a_sonicmoe")
+            results["a2a_sonicmoe_rel_err_vs_a2a"] = (
+                (y_sonic.float() - y_a2a.float()).norm() / y_a2a.float().norm().clamp_min(1e-30)).item()
+        for name in _backends(args):
             results[name + "_ms"] = _median_ms(lambda: run(name), args.warmup, args.iters, lambda: prepare(name))
         megamoe.check()
         if rank == 0:
             Path(out_file).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+
+
+def _backends(args) -> tuple[str, ...]:
+    return ("megamoe_ep", "a2a_gmm_compile", "no_comm") + (("a2a_sonicmoe",) if args.with_sonicmoe else ())
 
 
 def main(argv=None):
@@ -129,8 +142,16 @@ def main(argv=None):
     ap.add_argument("--fp8-scale", choices=("fp32", "pow2"), default="fp32")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--with-sonicmoe", action="store_true",
+                    help="also time a2a_sonicmoe (SonicMoE must be importable: scripts/install-sonicmoe)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.with_sonicmoe:
+        import importlib.util
+        if importlib.util.find_spec("sonicmoe") is None:
+            print("ep_compare: --with-sonicmoe, but sonicmoe is not importable (source scripts/install-sonicmoe)",
+                  file=sys.stderr)
+            return 2
     world = torch.cuda.device_count()
     if world < 2:
         print(f"ep_compare: needs 2 or more GPUs, {world} visible", file=sys.stderr)
@@ -146,17 +167,19 @@ def main(argv=None):
           f"megamoe {r['precision']}{' pow2' if r['fp8_scale'] == 'pow2' else ''} "
           f"(fwd+bwd, slowest rank, medians of {args.iters})")
     print(f"megamoe_ep y vs a2a_gmm_compile: relative error {r['y_rel_err_vs_a2a']:.2e}")
+    if args.with_sonicmoe:
+        print(f"a2a_sonicmoe y vs a2a_gmm_compile: relative error {r['a2a_sonicmoe_rel_err_vs_a2a']:.2e}")
     base = r["megamoe_ep_ms"]
-    for name in ("megamoe_ep", "a2a_gmm_compile", "no_comm"):
+    for name in _backends(args):
         ms = r[name + "_ms"]
         print(f"  {name:<18} {ms:9.3f} ms   {ms / base:6.3f}x megamoe_ep")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
     bound = 1e-1 if r["precision"] == "fp8" else 2e-2
-    ok = r["y_rel_err_vs_a2a"] < bound
+    ok = r["y_rel_err_vs_a2a"] < bound and r.get("a2a_sonicmoe_rel_err_vs_a2a", 0.0) < 2e-2
     if not ok:
-        print(f"ep_compare: megamoe_ep and the a2a pipeline disagree beyond the {r['precision']} bound {bound}",
-              file=sys.stderr)
+        print(f"ep_compare: megamoe_ep (bound {bound}, {r['precision']}) or a2a_sonicmoe (bound 2e-2) disagrees "
+              f"with the compiled a2a pipeline", file=sys.stderr)
     return 0 if ok else 1
 
 
