@@ -276,18 +276,26 @@ int main(int argc, char** argv) {
     }
     return worst;
   };
-  // The dispatch alone, then the rest of the forward so that the buffer's
-  // protocol stays in step (only the first phase is inside the events).
+  // The dispatch alone (the NVLink push and the routing, without the send's
+  // routing check and own-slot copy: the rows' y is not looked at here),
+  // then the rest of the forward so that the buffer's protocol stays in step
+  // (only the push is inside the events).
   std::vector<double> push_ms;
   {
+    const cuda::EpScratchLayout esl = cuda::ep_scratch_layout(layout);
     std::vector<double> samples;
     for (int it = 0; it < warmup + iters && st.ok(); ++it) {
       ++epoch;
       for (int r = 0; r < P && st.ok(); ++r) {
         Rank& R = *ranks[static_cast<size_t>(r)];
+        const cuda::LayerInputs in = inputs(r, false);
+        cuda::DispatchArgs a;
+        a.x = in.x, a.topk_idx = in.topk_idx, a.topk_weights = in.topk_weights, a.tokens = T;
+        a.experts_per_rank = L, a.epoch = epoch;
+        a.blocks_done = reinterpret_cast<uint32_t*>(static_cast<char*>(R.ep_scratch.p) + esl.dispatch_done);
         st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
         if (st.ok()) st = cuda_ok(cudaEventRecord(R.start, nullptr), "record");
-        if (st.ok()) st = cuda::ep_forward_send(R.call, ep_of(r), inputs(r, false), T);
+        if (st.ok()) st = cuda::dispatch_push(group->view(r), layout, a, nullptr);
         if (st.ok()) st = cuda_ok(cudaEventRecord(R.stop, nullptr), "record");
       }
       for (int ph = 1; ph < 3 && st.ok(); ++ph)

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -347,10 +348,12 @@ TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on
                            {0, 1, 2, 3, 4, 5, 6, 7}, true);
 }
 
-// Ranks 0..P-2 call the forward; rank P-1 never comes. Every present rank's
-// call must end (bounded waits), the error must name the missing rank, y must
-// be NaN rather than stale, and the context must stay usable.
-void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_rows = false) {
+// A forward that cannot complete: ranks [0, present) call it, each with
+// pull_rows = pull(r). Every present rank's call must end (bounded waits),
+// with an error of `code` whose message holds `named`; y must be NaN rather
+// than stale, and the context must stay usable.
+void expect_forward_fault_is_named(const std::vector<int>& devices, int present, const std::function<bool(int)>& pull,
+                                   StatusCode code, const std::string& named) {
   const int P = static_cast<int>(devices.size()), E = 2 * P, L = 2, k = 2;
   const int64_t H = 128, I = 128, T = 64;
   cuda::DispatchLayout layout;
@@ -368,14 +371,14 @@ void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_row
     cuda::LayerCall call;
     MoeBuffers buffers;
   };
-  std::vector<Rank> ranks(static_cast<size_t>(P - 1));
+  std::vector<Rank> ranks(static_cast<size_t>(present));
   cuda::EpGroup probe;
   probe.layout = layout, probe.num_experts = E;
   const LayerDims d = cuda::ep_owner_dims(probe, I);
   ScratchLayout sl;
   MEGAMOE_ASSERT_OK(scratch_layout(d, true, &sl, true));
   const uint64_t timeout = under_cuda_tool() ? 5'000'000'000ull : 100'000'000ull;  // 0.1 s
-  for (int r = 0; r < P - 1; ++r) {
+  for (int r = 0; r < present; ++r) {
     Rank& R = ranks[static_cast<size_t>(r)];
     ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
     R.scratch = std::make_unique<DeviceBytes>(sl.bytes_without_slots);
@@ -388,12 +391,12 @@ void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_row
     MEGAMOE_ASSERT_OK(cuda::prepare_layer_call(d, group->device(r), nullptr, R.buffers, &R.call, true));
   }
   for (int phase = 0; phase < 3; ++phase)
-    for (int r = 0; r < P - 1; ++r) {
+    for (int r = 0; r < present; ++r) {
       Rank& R = ranks[static_cast<size_t>(r)];
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::EpGroup ep;
       ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = 1, ep.scratch = R.ep_scratch->p;
-      ep.pull_rows = pull_rows;
+      ep.pull_rows = pull(r);
       const cuda::LayerInputs in{R.dev->x.view().data, static_cast<const int32_t*>(R.dev->topk_idx.view().data),
                                  static_cast<const float*>(R.dev->topk_weights.view().data),
                                  static_cast<const uint16_t*>(R.dev->w13.view().data) + int64_t{r} * L * 2 * I * H,
@@ -402,19 +405,18 @@ void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_row
       if (phase == 1) MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, T, R.buffers));
       if (phase == 2) MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, T, R.dev->y.view().data));
     }
-  const std::string missing = "rank " + std::to_string(P - 1) + " never delivered its part";
-  for (int r = 0; r < P - 1; ++r) {
+  for (int r = 0; r < present; ++r) {
     ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
     const Status st = check_device_errors(group->device(r), nullptr);
     if (r == 0 || devices[static_cast<size_t>(r)] != devices[0]) {  // one report per device: the first wins
-      EXPECT_EQ(st.code(), StatusCode::kTimeout) << "rank " << r << ": " << st.to_string();
-      EXPECT_NE(st.message().find(missing), std::string::npos) << st.message();
+      EXPECT_EQ(st.code(), code) << "rank " << r << ": " << st.to_string();
+      EXPECT_NE(st.message().find(named), std::string::npos) << st.message();
     }
     HostTensor y(DType::kBF16, {T, H});
     MEGAMOE_ASSERT_OK(ranks[static_cast<size_t>(r)].dev->y.download(&y));
     int64_t finite = 0;
     for (int64_t i = 0; i < T * H; ++i) finite += std::isfinite(y.get(i));
-    EXPECT_EQ(finite, 0) << "rank " << r << ": y must be NaN when a rank never came";
+    EXPECT_EQ(finite, 0) << "rank " << r << ": y must be NaN when the forward cannot complete";
   }
   int32_t probe_word = 0;  // the context is still usable
   EXPECT_EQ(cudaMemcpy(&probe_word, ranks[0].ep_scratch->p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -505,11 +507,26 @@ TEST(EpLayerFaults, ARankThatDiesBeforeItsBackwardIsNamedAndDxIsNaN) {
   expect_rank_missing_from_backward_is_named(3, Precision::kFP8);
 }
 
+// Ranks 0..P-2 call the forward; rank P-1 never comes.
+void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_rows = false) {
+  const int P = static_cast<int>(devices.size());
+  expect_forward_fault_is_named(devices, P - 1, [pull_rows](int) { return pull_rows; }, StatusCode::kTimeout,
+                                "rank " + std::to_string(P - 1) + " never delivered its part");
+}
+
 TEST(EpLayerFaults, EightRanksOnOneGpuNameTheOneThatNeverCame) {  // issue 13's fault test, on one GPU
   MEGAMOE_REQUIRE_GPU();
   expect_missing_rank_is_named(std::vector<int>(8, 0));
   if (::testing::Test::HasFatalFailure()) return;
   expect_missing_rank_is_named(std::vector<int>(8, 0), /*pull_rows=*/true);
+}
+
+// Rank 0 pulls the forward's rows, rank 1 pushes them: neither finds the
+// other's rows where it looks, so both name the other, and y is NaN.
+TEST(EpLayerFaults, RanksThatDisagreeOnPullRowsAreNamed) {
+  MEGAMOE_REQUIRE_GPU();
+  expect_forward_fault_is_named({0, 0}, 2, [](int r) { return r == 0; }, StatusCode::kInvalidArgument,
+                                "pull_rows must be the same on every rank");
 }
 
 TEST(MultiGpu, AMissingRankIsNamedAcrossGpus) {

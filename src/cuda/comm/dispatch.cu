@@ -49,7 +49,8 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   for (int d = 0; d < v.world; ++d) {
     if (d == v.rank) continue;
     char* peer = static_cast<char*>(v.peers[d]);
-    reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] = static_cast<uint32_t>(a.tokens);
+    reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] =
+        static_cast<uint32_t>(a.tokens) | (a.rows_to_peers ? 0u : DispatchLayout::kRowsPulledBit);
     comm::store_release_sys(reinterpret_cast<uint32_t*>(peer) + v.rank, a.epoch);
   }
 }

@@ -1,19 +1,22 @@
 // Expert-parallel dispatch, the push half (docs/ep-design.md): each source
 // rank sends every token row once to each other rank that hosts at least one
-// of the token's experts, into that rank's receive area at slot [source][token].
-// It also sends every rank the routing of all its tokens (their k expert ids
-// and its token count): from that each owner builds its plan on the device,
-// with no host in between. Once everything for a rank is written it stores
-// the call's epoch into that rank's flag [source] (release, system scope).
-// The owner's GEMMs then read the rows where they landed; its own tokens it
-// reads from its own x (an FP8 forward: from its own slots, which its send
-// filled earlier on the same stream).
+// of the token's experts, into that rank's receive area at slot [source][token]
+// (or, rows_to_peers false, to no one: the owners pull them from its own
+// slots). It also sends every rank the routing of all its tokens (their k
+// expert ids and its token count): from that each owner builds its plan on
+// the device, with no host in between. Once everything for a rank is written
+// it stores the call's epoch into that rank's flag [source] (release, system
+// scope). The owner's GEMMs then read the rows where they landed; its own
+// tokens from its own slots (own_slot, or an FP8 forward's e4m3 rows, which
+// its send wrote earlier on the same stream) or from its own x.
 //
 // Each rank's symmetric buffer (one PeerView allocation, the same on every rank):
 //   byte 0                  flags u32 [world]: flag[s] = epoch of the last call
 //                           whose data from rank s has all landed here
 //   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
-//   byte 128                tokens u32 [world]: rank s's token count in that call
+//   byte 128                tokens u32 [world]: rank s's token count in that call,
+//                           bit 31 set when its rows stay in its own slots
+//                           for the owners to pull (DispatchArgs::rows_to_peers false)
 //   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
 //                           token t of rank s (written only where it must go);
 //                           in an FP8 forward, the slot's first
@@ -34,10 +37,11 @@
 //                           (cuda/comm/combine.h)
 //   byte route_values_offset()   (128-aligned) f32 [own tokens][top_k]: one value per
 //                           route returned with them (the backward's d topk_w)
-// Slots [own rank][...] hold this rank's own rows only when asked (DispatchArgs::own_slot:
-// then recv is the whole virtual token matrix [world * max_tokens][hidden] of
-// cuda/comm/ep_routing.h, which the owner's GEMM gathers from) or as an FP8
-// forward's own e4m3 rows; otherwise they are unused. Capacity: max_tokens slots per source and
+// Slots [own rank][...] hold this rank's own rows only when asked (DispatchArgs::own_slot)
+// or as an FP8 forward's own e4m3 rows; otherwise they are unused. With own
+// rows there and the others pushed, recv holds every row of the virtual token
+// matrix [world * max_tokens][hidden] of cuda/comm/ep_routing.h that this
+// rank's plan uses, and its GEMM gathers from it in place. Capacity: max_tokens slots per source and
 // a token goes at most once to a rank, so nothing can overflow; tokens >
 // max_tokens is an error before any write. Expert e lives on rank
 // e / experts_per_rank.
@@ -56,6 +60,7 @@ namespace megamoe::cuda {
 
 struct DispatchLayout {
   static constexpr size_t kTokensOffset = 128, kRecvOffset = 256;
+  static constexpr uint32_t kRowsPulledBit = 1u << 31;  // in a token count word: the owners pull the rows
   int world = 1;
   int64_t max_tokens = 0, hidden = 0;
   int top_k = 0;

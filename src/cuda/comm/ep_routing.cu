@@ -30,7 +30,12 @@ __global__ void source_counts_kernel(DispatchLayout layout, EpRoutingArgs a) {
     uint32_t sleep_ns = 32;
     for (n = -1;;) {
       if (load_acquire_sys(flag) >= a.epoch) {
-        n = reinterpret_cast<const uint32_t*>(base + DispatchLayout::kTokensOffset)[s];
+        const uint32_t word = reinterpret_cast<const uint32_t*>(base + DispatchLayout::kTokensOffset)[s];
+        n = word & ~DispatchLayout::kRowsPulledBit;
+        if (((word & DispatchLayout::kRowsPulledBit) != 0) != a.rows_pulled) {  // its rows are not where we look
+          report_peer_mode(a.errors, kKernelEpRouting, static_cast<uint32_t>(s));
+          n = -1;
+        }
         break;
       }
       const uint64_t waited = global_timer_ns() - start;

@@ -15,7 +15,8 @@
 // First one thread per source waits (bounded by errors.timeout_ns;
 // system-scope acquire, with backoff) for that source's flag to reach `epoch`
 // and records its token count, or -1 for a source that never came (reported:
-// kBarrierPeer, naming the rank). Then the list is filled from those counts,
+// kBarrierPeer, naming the rank) or sent its rows another way than
+// rows_pulled says (reported: kDeviceErrorPeerMode). Then the list is filled from those counts,
 // with no further waiting: one decision per source. A missing source's
 // virtual tokens are empty. No host synchronisation. Sizes stay within int32
 // (row_src = v * k + j is int32 in the plan).
@@ -39,6 +40,7 @@ struct EpRoutingArgs {
   int experts_per_rank = 0;
   uint32_t epoch = 0;
   DeviceErrorSink errors;
+  bool rows_pulled = false;           // what every source's send must say (EpGroup::pull_rows; backward: false)
   int64_t* source_counts = nullptr;   // scratch [world] on the device
   int32_t* virtual_idx = nullptr;     // out: [world * max_tokens, top_k] local ids or -1
 };
@@ -55,7 +57,8 @@ Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArg
 // its source did not deliver this time (count -1, or t past it: a plan kept
 // from an earlier epoch) is NaN, never the stale slot. (The bf16 forward's
 // kGateUp gathers its rows itself, in its side jobs: this copy serves the
-// backward and a forward without side jobs.) With peers
+// backward, a forward without side jobs, and one whose cooperative launch
+// was refused.) With peers
 // (the group's buffers, EpGroup::pull_rows), another rank's row is read from
 // that rank's own slot [s][t] over NVLink instead of this rank's receive area.
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,

@@ -81,6 +81,11 @@ Status describe(const DeviceErrorReport& r, int device) {
                          " never delivered its part (is it in the call?): the wait gave up after " +
                          std::to_string(r.waited_ns / 1000000) + " ms" + on + "; its outputs are undefined)");
   }
+  if (r.kind == kDeviceErrorPeerMode) {
+    return invalid_argument(std::string(kernel_name(r.kernel)) + ": rank " + std::to_string(r.phase) +
+                            " sent its rows another way than this rank expects (EpGroup::pull_rows must be the "
+                            "same on every rank): its tokens were left out" + on + "; its outputs are undefined)");
+  }
   if (r.kind == kDeviceErrorTimeout) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) + ": the wait on " +
                          barrier_name(r.barrier) + " barrier phase " + std::to_string(r.phase) + " gave up after " +

@@ -23,7 +23,15 @@
 
 namespace megamoe::cuda {
 
-enum DeviceErrorKind : uint32_t { kDeviceErrorNone = 0, kDeviceErrorRouting = 1, kDeviceErrorTimeout = 2 };
+// kDeviceErrorPeerMode: an expert-parallel rank sent its rows another way
+// than this one expects (EpGroup::pull_rows differs between ranks); its
+// phase is that rank.
+enum DeviceErrorKind : uint32_t {
+  kDeviceErrorNone = 0,
+  kDeviceErrorRouting = 1,
+  kDeviceErrorTimeout = 2,
+  kDeviceErrorPeerMode = 3
+};
 
 // Which kernel reported (names in device_errors.cu).
 enum KernelId : uint32_t {
@@ -102,6 +110,15 @@ __device__ __forceinline__ void report_timeout(const DeviceErrorSink& sink, uint
   r->phase = phase;
   r->waited_ns = waited_ns;
   publish_report(r, kDeviceErrorTimeout);
+}
+
+__device__ __forceinline__ void report_peer_mode(const DeviceErrorSink& sink, uint32_t kernel, uint32_t rank) {
+  if (!claim_report(sink)) return;
+  DeviceErrorReport* r = sink.report;
+  r->kernel = kernel;
+  r->block = blockIdx.x;
+  r->phase = rank;
+  publish_report(r, kDeviceErrorPeerMode);
 }
 
 __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint64_t key, int64_t value,

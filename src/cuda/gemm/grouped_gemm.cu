@@ -868,9 +868,12 @@ Status launch_grouped_gemm(const GroupedGemmArgs& args, int num_sms, cudaStream_
         s.top_k < 1 || s.width <= 0 || s.width % 8 != 0 || s.width / 8 > INT32_MAX)
       return invalid_argument("grouped GEMM: side_gather needs src (or source_buffers), row_src and pool_rows, "
                               "top_k >= 1 and width a positive multiple of 8");
-    if (s.source_buffers != nullptr && (s.tokens_per_source < 1 || s.route_row != nullptr || s.source_offset % 16 != 0))
-      return invalid_argument("grouped GEMM: side_gather from source_buffers needs tokens_per_source >= 1, a "
-                              "16-byte aligned source_offset, and the gather form (no route_row)");
+    if (s.source_buffers != nullptr &&
+        (s.tokens_per_source < 1 || s.sources < 1 || s.sources > 32 || s.route_row != nullptr ||
+         s.source_offset % 16 != 0 || static_cast<int64_t>(s.sources) * s.tokens_per_source < args.plan.num_tokens))
+      return invalid_argument("grouped GEMM: side_gather from source_buffers needs tokens_per_source >= 1, 1 to 32 "
+                              "sources holding the plan's tokens, a 16-byte aligned source_offset, and the gather "
+                              "form (no route_row)");
     if (s.route_row != nullptr && (s.rows_ready != nullptr || s.top_k > kMaxTopK || s.tokens < 0 ||
                                    s.tokens * s.top_k > INT32_MAX))
       return invalid_argument("grouped GEMM: side_gather as a scatter (route_row) has no rows_ready (its rows come in "

@@ -218,12 +218,12 @@ struct GroupedGemmArgs {
     int64_t tokens = 0;
     // Token rows spread over several ranks' buffers (expert parallelism: the
     // owner's kGateUp pulling each pool row from its source rank, over NVLink
-    // for another GPU's): with source_buffers (a device array), token row v
-    // lives in source_buffers[v / tokens_per_source] at byte offset
-    // source_offset + v * width * 2, and src is unused. Gather form only.
+    // for another GPU's): with source_buffers (a device array of `sources`),
+    // token row v lives in source_buffers[v / tokens_per_source] at byte
+    // offset source_offset + v * width * 2, and src is unused. Gather form only.
     void* const* source_buffers = nullptr;
     size_t source_offset = 0;
-    int tokens_per_source = 0;
+    int tokens_per_source = 0, sources = 0;
   };
   SideGather side_gather;
   // bf16 kDownGrad in 128 x 256 tiles too (B as given, N a multiple of 256,

@@ -1,5 +1,6 @@
 #include "cuda/moe/ep_layer.h"
 
+#include <algorithm>
 #include <string>
 
 #include "cuda/comm/combine.h"
@@ -45,6 +46,10 @@ EpSaved ep_saved_view(const EpGroup& ep, const void* saved) {
 }
 
 size_t align256(size_t n) { return (n + 255) & ~size_t{255}; }
+
+// Whether this call's forward rows stay in their sources' own slots for the
+// owners to pull (EpGroup::pull_rows; FP8's forward always pushes its e4m3 rows).
+bool pulls_rows(const EpGroup& ep, const LayerDims& d) { return ep.pull_rows && !detail::fp8_forward(d); }
 
 // The owner's slot-writing GEMMs (kDown, kGateUpGrad) store each route's row
 // straight into its source rank's return area (over NVLink for another GPU's):
@@ -141,8 +146,9 @@ Status ep_forward_send(const LayerCall& call, const EpGroup& ep, const LayerInpu
                                                         static_cast<int64_t>(ep.layout.slot_bytes()), call.stream));
     a = e4m3;
   } else {
-    a.own_slot = true;  // recv becomes the virtual token matrix that the owner's kGateUp gathers from
-    a.rows_to_peers = !ep.pull_rows;  // pulled: the owners read the own slots where they are
+    // Own rows into own slots, where the owners' kGateUp reads them (side jobs; pulled: every owner).
+    a.rows_to_peers = !pulls_rows(ep, call.dims);
+    a.own_slot = detail::kSideJobs || !a.rows_to_peers;
   }
   return dispatch_push(ep.view, ep.layout, a, call.stream);
 }
@@ -166,6 +172,7 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
   EpRoutingArgs r;
   r.buffer = ep.view.local, r.rank = ep.view.rank, r.own_topk_idx = in.topk_idx, r.own_tokens = tokens;
   r.experts_per_rank = static_cast<int>(L), r.epoch = ep.epoch, r.errors = call.errors;
+  r.rows_pulled = pulls_rows(ep, d);  // a source that sent its rows the other way is named, and left out
   // Kept for the backward, or in scratch.
   const EpSaved kept = ep_saved != nullptr ? ep_saved_view(ep, ep_saved) : EpSaved{s.source_counts, s.virtual_idx, nullptr};
   r.source_counts = kept.source_counts, r.virtual_idx = kept.virtual_idx;
@@ -202,11 +209,12 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
       const void* recv = static_cast<const char*>(ep.view.local) + DispatchLayout::kRecvOffset;
       MEGAMOE_RETURN_IF_ERROR(
           detail::gather_own_a(own, recv, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
-      if (ep.pull_rows) {  // row v in its source's own slot: the same offset in that rank's buffer
+      if (pulls_rows(ep, d)) {  // row v in its source's own slot: the same offset in that rank's buffer
         own.side_gather.src = nullptr;
         own.side_gather.source_buffers = ep.view.peers;
         own.side_gather.source_offset = DispatchLayout::kRecvOffset;
-        own.side_gather.tokens_per_source = static_cast<int>(ep.layout.max_tokens);
+        own.side_gather.tokens_per_source = static_cast<int>(std::max<int64_t>(ep.layout.max_tokens, 1));
+        own.side_gather.sources = ep.layout.world;
       }
       const Status st = launch_grouped_gemm(own, sms, call.stream);
       // Refused where the SMs are partitioned (no cooperative launch): a gather kernel first.
@@ -216,7 +224,7 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
     if (!gathered_by_gemm) {
       MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,
                                              plan.pool_rows, C, c.xdy_pool, call.stream, nullptr,
-                                             ep.pull_rows ? ep.view.peers : nullptr));
+                                             pulls_rows(ep, d) ? ep.view.peers : nullptr));
       MEGAMOE_RETURN_IF_ERROR(launch_grouped_gemm(g1, sms, call.stream));
     }
     GroupedGemmArgs g2 = detail::pool_gemm(GemmMode::kDown, call, plan, C, c.a_pool, I, in.w2, L * H, I, H);

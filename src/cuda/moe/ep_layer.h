@@ -8,13 +8,15 @@
 // LayerBuffers::fp8_weights hold its L local experts. Rank r holds its own tokens and experts
 // [r L, (r + 1) L) (L = E / world). Three phases, each async on the call's
 // stream, no host synchronisation:
-//   send     check this rank's routing; push each token row once to every
-//            other rank that hosts one of its experts, and every rank the
-//            routing and its weights (cuda/comm/dispatch.h);
+//   send     check this rank's routing; copy its rows into its own slots and
+//            push each token row once to every other rank that hosts one of
+//            its experts (pull_rows: to none), and every rank the routing and
+//            its weights (cuda/comm/dispatch.h);
 //   experts  once every source's flag says its part is in: this rank's
 //            virtual token list, its plan (the one-GPU plan over
-//            V = world x max_tokens virtual tokens and L experts), the pool
-//            gathered from x and the receive slots, GEMM1 + SwiGLU, GEMM2 x
+//            V = world x max_tokens virtual tokens and L experts), GEMM1 +
+//            SwiGLU gathering its pool from the receive slots (pull_rows: from
+//            the sources' own slots) in its idle producer warps, GEMM2 x
 //            routing weight, whose epilogue stores each route's row straight
 //            into its source's return slot [j][t] (over NVLink: the transfer
 //            overlaps the GEMM), then the owner's flags (cuda/comm/combine.h);
@@ -27,7 +29,8 @@
 // each phase for every rank before the next, all on one stream (a phase
 // waits for the others', and the forward's kGateUp is a cooperative launch
 // that needs every SM: on streams of their own, one rank's spin-wait could
-// hold an SM that another rank's kGateUp waits for, and neither moves).
+// hold an SM that another rank's kGateUp waits for, until the wait gives up
+// and reports a rank that did nothing wrong).
 //
 // Epochs: a forward takes one (ep.epoch), a backward two (ep.epoch and
 // ep.epoch + 1); every call on a symmetric buffer must start above the last
