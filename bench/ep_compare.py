@@ -65,6 +65,26 @@ def _median_ms(fn, warmup, iters, setup=None):
     return float(t.item())
 
 
+def _join(rank, world, init_file):
+    """This process's GPU and its place in the NCCL group (one process per GPU, a file rendezvous)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def _spawn(rank_main, args, world) -> dict:
+    """rank_main(rank, world, args, init_file, out_file) in one process per GPU; rank 0's JSON result."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        mp.spawn(rank_main, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
 def _rank_main(rank, world, args, init_file, out_file):
     import torch.distributed as dist
 
@@ -72,9 +92,7 @@ def _rank_main(rank, world, args, init_file, out_file):
     from ep_baseline import a2a_forward, compiled_grouped_mm, sonicmoe_experts
     from megamoe.train import PRESETS
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    _join(rank, world, init_file)
     try:
         p = PRESETS[args.preset]
         H, I, E, k = p["hidden_size"], p["moe_intermediate_size"], p["num_experts"], p["num_experts_per_tok"]
@@ -156,13 +174,7 @@ def main(argv=None):
     if world < 2:
         print(f"ep_compare: needs 2 or more GPUs, {world} visible", file=sys.stderr)
         return 2
-    import tempfile
-
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "result.json")
-        mp.spawn(_rank_main, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
-        r = json.loads(Path(out).read_text())
+    r = _spawn(_rank_main, args, world)
     print(f"ep_compare: {r['preset']}, {r['world']} GPUs, {r['tokens_per_rank']} tokens per GPU, {r['routing']} routing, "
           f"megamoe {r['precision']}{' pow2' if r['fp8_scale'] == 'pow2' else ''} "
           f"(fwd+bwd, slowest rank, medians of {args.iters})")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,22 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-
-def _median_ms(fn, warmup, iters):
-    import torch.distributed as dist
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(stop))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank
-    return float(t.item())
+from ep_compare import _join, _median_ms, _routing, _spawn  # noqa: E402  (as ep_compare does them)
 
 
 def _route_rows(x, idx, L, world):
@@ -110,12 +94,9 @@ def _vdev(send, counts, recv_want, out_counts, args, result):
 def _rank_main(rank, world, args, init_file, out_file):
     import torch.distributed as dist
 
-    from ep_compare import _routing
     from megamoe.train import PRESETS
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    _join(rank, world, init_file)
     try:
         p = PRESETS[args.preset]
         H, E, k = p["hidden_size"], p["num_experts"], p["num_experts_per_tok"]
@@ -160,13 +141,7 @@ def main(argv=None):
         print(f"ep_vdev_probe: needs 2 or more GPUs, {world} visible", file=sys.stderr)
         return 2
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")  # the worst-case buffers above, if NVSHMEM serves them
-    import tempfile
-
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "result.json")
-        mp.spawn(_rank_main, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
-        r = json.loads(Path(out).read_text())
+    r = _spawn(_rank_main, args, world)
     gb = r["rank0_remote_gb"]
     print(f"ep_vdev_probe: {r['preset']}, {r['world']} GPUs, {r['tokens_per_rank']} tokens per GPU, {r['routing']} "
           f"routing; one row per route; rank 0 sends {gb:.3f} GB to other ranks (slowest rank, medians of {args.iters})")
