@@ -138,15 +138,11 @@ Status gate_up(const LayerCall& call, const DevicePlan& plan, const Carved& c, c
     return launch_grouped_gemm(g, sms, call.stream);
   }
   if (kSideJobs) {
-    // The row tiles' counts (u32 [C / 128]) in dw_partial (f32 [C, I / 128],
-    // I a multiple of 128): the backward's, free until kDownGrad.
     GroupedGemmArgs own = g;
-    MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, x, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
-    const Status st = launch_grouped_gemm(own, sms, call.stream);
-    // Holding tiles on its own gather needs every CTA resident at once (a
-    // cooperative launch); where the SMs are partitioned (MPS) that launch is
-    // refused, and x is gathered by its own kernel instead.
-    if (st.code() != StatusCode::kUnavailable) return st;
+    MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, x, c, call.stream));
+    bool launched = false;
+    MEGAMOE_RETURN_IF_ERROR(detail::launch_holding_own_rows(own, sms, call.stream, &launched));
+    if (launched) return Status::Ok();
   }
   MEGAMOE_RETURN_IF_ERROR(rows_to_pool(x, d.hidden, plan, c, d, call.stream));
   return launch_grouped_gemm(g, sms, call.stream);

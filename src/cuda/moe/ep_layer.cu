@@ -201,14 +201,12 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
     // kGateUp gathers its pool itself in its idle producer warps, as on one
     // GPU (cuda_layer.cu's gate_up), from the receive area, which the send
     // made the whole virtual token matrix [V, H] (own rows in own slots);
-    // each tile held until its 128 rows are in. Row tile counts in
-    // dw_partial, free until a backward's kDownGrad.
+    // each tile held until its 128 rows are in.
     bool gathered_by_gemm = false;
     if (detail::kSideJobs) {
       GroupedGemmArgs own = g1;
       const void* recv = static_cast<const char*>(ep.view.local) + DispatchLayout::kRecvOffset;
-      MEGAMOE_RETURN_IF_ERROR(
-          detail::gather_own_a(own, recv, reinterpret_cast<uint32_t*>(c.dw_partial), c, call.stream));
+      MEGAMOE_RETURN_IF_ERROR(detail::gather_own_a(own, recv, c, call.stream));
       if (pulls_rows(ep, d)) {  // row v in its source's own slot: the same offset in that rank's buffer
         own.side_gather.src = nullptr;
         own.side_gather.source_buffers = ep.view.peers;
@@ -216,10 +214,7 @@ Status ep_forward_experts(const LayerCall& call, const EpGroup& ep, const LayerI
         own.side_gather.tokens_per_source = static_cast<int>(std::max<int64_t>(ep.layout.max_tokens, 1));
         own.side_gather.sources = ep.layout.world;
       }
-      const Status st = launch_grouped_gemm(own, sms, call.stream);
-      // Refused where the SMs are partitioned (no cooperative launch): a gather kernel first.
-      if (st.code() != StatusCode::kUnavailable) MEGAMOE_RETURN_IF_ERROR(st);
-      gathered_by_gemm = st.ok();
+      MEGAMOE_RETURN_IF_ERROR(detail::launch_holding_own_rows(own, sms, call.stream, &gathered_by_gemm));
     }
     if (!gathered_by_gemm) {
       MEGAMOE_RETURN_IF_ERROR(gather_ep_rows(ep.layout, ep.view.local, ep.view.rank, in.x, c.pv.plan.row_src,

@@ -159,13 +159,20 @@ GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, c
   return s;
 }
 
-Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream) {
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, const Carved& c, cudaStream_t stream) {
+  auto* counts = reinterpret_cast<uint32_t*>(c.dw_partial);
   const cudaError_t err = cudaMemsetAsync(counts, 0, static_cast<size_t>(c.capacity / 128) * 4, stream);
   if (err != cudaSuccess) return cuda_status("zero a side gather's row tile counts", err);
   g.side_gather = pool_side_gather(rows, g.a_cols, g.plan, c);
   g.side_gather.rows_ready = counts;
   g.rows_ready = counts, g.ready_value = 128;
   return Status::Ok();
+}
+
+Status launch_holding_own_rows(const GroupedGemmArgs& g, int sms, cudaStream_t stream, bool* launched) {
+  const Status st = launch_grouped_gemm(g, sms, stream);
+  *launched = st.ok();
+  return st.code() == StatusCode::kUnavailable ? Status::Ok() : st;
 }
 
 Status down_grad_gemm(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w2,

@@ -82,9 +82,15 @@ GroupedGemmArgs::SideGather pool_side_gather(const void* rows, int64_t width, co
 GroupedGemmArgs::SideGather pool_side_scatter(const void* rows, int64_t width, const DevicePlan& plan,
                                               const Carved& c);
 // g (kGateUp over c.xdy_pool) gathers its A from `rows` itself,
-// each tile held until its 128 rows are counted in: counts (u32 [C / 128],
-// in a region free during g) zeroed on `stream` first.
-Status gather_own_a(GroupedGemmArgs& g, const void* rows, uint32_t* counts, const Carved& c, cudaStream_t stream);
+// each tile held until its 128 rows are counted in: the counts (u32 [C / 128])
+// in c.dw_partial (f32 [C, I / 128], I a multiple of 128: the backward's,
+// free until kDownGrad), zeroed on `stream` first.
+Status gather_own_a(GroupedGemmArgs& g, const void* rows, const Carved& c, cudaStream_t stream);
+// Launches such a g: holding tiles on its own gather needs every CTA resident
+// at once, a cooperative launch. Where the SMs are partitioned (MPS) that
+// launch is refused: *launched is then false, nothing ran, and the caller
+// fills the pool by a kernel of its own and launches g without the gather.
+Status launch_holding_own_rows(const GroupedGemmArgs& g, int sms, cudaStream_t stream, bool* launched);
 GroupedGemmArgs gate_up_grad(const LayerCall& call, const DevicePlan& plan, const Carved& c, const void* w13,
                              const GroupedGemmArgs::PeerSlots* dx_peer_slots = nullptr);
 
