@@ -1,4 +1,4 @@
-// megamoe-ep-bench: the expert-parallel forward (cuda/moe/ep_layer.h) of P
+// megamoe-ep-bench: the expert-parallel forward (cuda/layer/ep_layer.h) of P
 // ranks in one process, one GPU each when there are enough (else ranks share
 // GPUs: a smoke run, not a measurement), against the same per-GPU expert work
 // without communication: the one-GPU layer over T tokens and E / P experts.
@@ -13,8 +13,6 @@
 // forward and backward on the same per-GPU work, fp32 weight gradients):
 // with --world 1 that ratio is the EP path's own cost, no NVLink involved.
 // bench/ep_compare.py times forward + backward through PyTorch.
-// Both ways of moving the forward's rows (cuda::EpGroup::pull_rows): pushed
-// by the sources before the owners' GEMMs, or pulled by the owners' kGateUp.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,8 +28,8 @@
 #include "cuda/comm/combine.h"
 #include "cuda/comm/dispatch.h"
 #include "cuda/comm/peer_memory.h"
-#include "cuda/moe/cuda_layer.h"
-#include "cuda/moe/ep_layer.h"
+#include "cuda/layer/ep_layer.h"
+#include "cuda/layer/one_gpu_layer.h"
 #include "bench_options.h"
 #include "megamoe/presets.h"
 #include "testing/device_layer.h"
@@ -217,23 +215,22 @@ int main(int argc, char** argv) {
     }
     return median(samples);
   };
-  bool pull = false;  // EpGroup::pull_rows of the timings below
   auto ep_of = [&](int r) {
     cuda::EpGroup ep;
-    ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = epoch, ep.pull_rows = pull;
+    ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = epoch;
     ep.scratch = ranks[static_cast<size_t>(r)]->ep_scratch.p;
     return ep;
   };
-  auto ep_forward_ms = [&] {
-    return timed(3, [&](int ph, int r) {
-      Rank& R = *ranks[static_cast<size_t>(r)];
-      const cuda::LayerInputs in = inputs(r, false);
-      void* y = R.dev.y.view().data;
-      if (ph == 0) return cuda::ep_forward_send(R.call, ep_of(r), in, T);
-      if (ph == 1) return cuda::ep_forward_experts(R.call, ep_of(r), in, T, R.forward_only);
-      return cuda::ep_forward_combine(R.call, ep_of(r), in, T, y);
-    });
+  // Rank r's forward phase ph (1: experts, 2: combine) of a call that keeps nothing.
+  auto forward_phase = [&](int ph, int r) {
+    Rank& R = *ranks[static_cast<size_t>(r)];
+    cuda::EpCall c;
+    MEGAMOE_RETURN_IF_ERROR(cuda::make_ep_call(R.call, ep_of(r), inputs(r, false), T, R.forward_only, nullptr, &c));
+    if (ph == 0) return cuda::ep_forward_send(c);
+    if (ph == 1) return cuda::ep_forward_experts(c);
+    return cuda::ep_forward_combine(c, R.dev.y.view().data);
   };
+  auto ep_forward_ms = [&] { return timed(3, forward_phase); };
   // Forward + backward: epochs e (forward), e + 1 (dy, the returns) and e + 2 (x again).
   auto ep_fwd_bwd_ms = [&] {
     return timed(
@@ -242,27 +239,26 @@ int main(int argc, char** argv) {
           Rank& R = *ranks[static_cast<size_t>(r)];
           const cuda::LayerInputs in = inputs(r, false);
           const cuda::LayerGrads g = grads(r, false);
-          cuda::EpGroup fw = ep_of(r), bw = fw;  // `epoch` is the last of the three
-          fw.epoch = epoch - 2, bw.epoch = epoch - 1;
+          cuda::EpGroup ep = ep_of(r);  // `epoch` is the last of the three
+          ep.epoch = ph < 3 ? epoch - 2 : epoch - 1;
+          cuda::EpCall c;
+          MEGAMOE_RETURN_IF_ERROR(cuda::make_ep_call(R.call, ep, in, T, R.buffers, R.ep_saved.p, &c));
           const void* dy = R.dev.dy.view().data;
           switch (ph) {
-            case 0: return cuda::ep_forward_send(R.call, fw, in, T);
-            case 1: return cuda::ep_forward_experts(R.call, fw, in, T, R.buffers, R.ep_saved.p);
-            case 2: return cuda::ep_forward_combine(R.call, fw, in, T, R.dev.y.view().data);
-            case 3: return cuda::ep_backward_send_dy(R.call, bw, in, dy, T);
-            case 4: return cuda::ep_backward_experts(R.call, bw, in, dy, T, g, R.buffers, R.ep_saved.p);
-            case 5: return cuda::ep_backward_combine(R.call, bw, in, T, g);
-            case 6: return cuda::ep_backward_send_x(R.call, bw, in, T);
-            case 7: return cuda::ep_backward_weight_grads(R.call, bw, in, T, g, R.buffers, R.ep_saved.p);
-            default: return cuda::ep_backward_finish(R.call, bw);
+            case 0: return cuda::ep_forward_send(c);
+            case 1: return cuda::ep_forward_experts(c);
+            case 2: return cuda::ep_forward_combine(c, R.dev.y.view().data);
+            case 3: return cuda::ep_backward_send_dy(c, dy);
+            case 4: return cuda::ep_backward_experts(c, dy, g);
+            case 5: return cuda::ep_backward_combine(c, g);
+            case 6: return cuda::ep_backward_send_x(c);
+            case 7: return cuda::ep_backward_weight_grads(c, g);
+            default: return cuda::ep_backward_finish(c);
           }
         },
         3);
   };
   const double ep_ms = ep_forward_ms(), ep_fb_ms = ep_fwd_bwd_ms();
-  pull = true;
-  const double pull_ms = ep_forward_ms(), pull_fb_ms = ep_fwd_bwd_ms();
-  pull = false;  // the dispatch and return timings below: pushed rows
   // Waits for every rank's stop event; the slowest rank's start-to-stop ms.
   auto slowest_rank_ms = [&] {
     double worst = 0;
@@ -300,11 +296,8 @@ int main(int argc, char** argv) {
       }
       for (int ph = 1; ph < 3 && st.ok(); ++ph)
         for (int r = 0; r < P && st.ok(); ++r) {
-          Rank& R = *ranks[static_cast<size_t>(r)];
           st = cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
-          if (st.ok())
-            st = ph == 1 ? cuda::ep_forward_experts(R.call, ep_of(r), inputs(r, false), T, R.forward_only)
-                         : cuda::ep_forward_combine(R.call, ep_of(r), inputs(r, false), T, R.dev.y.view().data);
+          if (st.ok()) st = forward_phase(ph, r);
         }
       if (it >= warmup) samples.push_back(slowest_rank_ms());
     }
@@ -385,8 +378,6 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f\n", "EP forward+backward", ep_fb_ms);
   std::printf("%-34s %10.3f\n", "no communication, fwd+bwd", alone_fb_ms);
   std::printf("%-34s %10.3f\n", "ratio EP / no comm., fwd+bwd", ep_fb_ms / alone_fb_ms);
-  std::printf("%-34s %10.3f  (%.3f)\n", "EP forward, rows pulled", pull_ms, pull_ms / alone_ms);
-  std::printf("%-34s %10.3f  (%.3f)\n", "EP fwd+bwd, rows pulled", pull_fb_ms, pull_fb_ms / alone_fb_ms);
   std::printf("%-34s %10.3f  %.1f GB/s (rank 0 sends %.3f GB)\n", "dispatch push alone", push_ms[0],
               sent_gb / (push_ms[0] / 1e3), sent_gb);
   std::printf("%-34s %10.3f  %.1f GB/s (rank 0 returns %.3f GB)\n", "combine return alone (copy)", return_ms,
@@ -398,10 +389,9 @@ int main(int argc, char** argv) {
                    "{\"preset\": \"%s\", \"world\": %d, \"shared_gpus\": %s, \"tokens_per_rank\": %lld, "
                    "\"routing\": \"%s\", \"ep_forward_ms\": %.4f, \"no_comm_forward_ms\": %.4f, "
                    "\"ep_fwd_bwd_ms\": %.4f, \"no_comm_fwd_bwd_ms\": %.4f, "
-                   "\"ep_pull_forward_ms\": %.4f, \"ep_pull_fwd_bwd_ms\": %.4f, "
                    "\"dispatch_ms\": %.4f, \"dispatch_gb\": %.4f, \"return_ms\": %.4f, \"return_gb\": %.4f}\n",
                    shape->name, P, shared ? "true" : "false", static_cast<long long>(T), opt["routing"].c_str(), ep_ms,
-                   alone_ms, ep_fb_ms, alone_fb_ms, pull_ms, pull_fb_ms, push_ms[0], sent_gb, return_ms, returned_gb);
+                   alone_ms, ep_fb_ms, alone_fb_ms, push_ms[0], sent_gb, return_ms, returned_gb);
       std::fclose(f);
     }
   }

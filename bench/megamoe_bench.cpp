@@ -2,6 +2,7 @@
 // one GPU, CUDA-event medians after warm-up, inputs rotated over two sets so
 // that L2 (60 MB) does not serve repeated reads; TFLOPS, % of the measured
 // bf16 peak, device memory; JSON out.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,13 +32,16 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"preset", "qwen3-30b-a3b"}, {"tokens", "16384"}, {"save", "keep"},
                                             {"iters", "20"},            {"warmup", "3"},      {"json", ""},
                                             {"wgrad", "f32"},           {"precision", "bf16"},
-                                            {"fp8-weights", "step"},    {"scale", "fp32"}};
+                                            {"fp8-weights", "step"},    {"scale", "fp32"},
+                                            {"paths", "default"}};
   if (!bench::parse_options(argc, argv, &opt,
                             "megamoe-bench [--preset " + preset_names() +
                                 "] [--tokens N] [--save keep|recompute] [--precision bf16|fp8|fp8_bwd] [--iters N] "
-                                "[--warmup N] [--wgrad f32|bf16] [--fp8-weights step|cached] [--scale fp32|pow2] [--json PATH]\n"
+                                "[--warmup N] [--wgrad f32|bf16] [--fp8-weights step|cached] [--scale fp32|pow2] [--paths P] [--json PATH]\n"
                                 "  --fp8-weights step: every forward quantises the weights (one optimizer step per "
-                                "forward + backward); cached: the weights never change, quantised once"))
+                                "forward + backward); cached: the weights never change, quantised once\n"
+                                "  --paths: default, or the other of two equal-result paths, comma-separated:\n"
+                                "    no-side-jobs, no-rows-first, slots (megamoe::CudaPaths)"))
     return 2;
   const ModelPreset* shape = find_preset(opt["preset"]);
   if (shape == nullptr) return fail(invalid_argument("unknown preset '" + opt["preset"] + "'"));
@@ -54,6 +58,15 @@ int main(int argc, char** argv) {
   if (opt["fp8-weights"] != "step" && opt["fp8-weights"] != "cached")
     return fail(invalid_argument("--fp8-weights: expected step or cached, got '" + opt["fp8-weights"] + "'"));
   const bool weights_cached = opt["fp8-weights"] == "cached";
+  for (size_t at = 0; opt["paths"] != "default" && at <= opt["paths"].size();) {
+    const size_t end = std::min(opt["paths"].find(',', at), opt["paths"].size());
+    const std::string path = opt["paths"].substr(at, end - at);
+    if (path == "no-side-jobs") o.cuda_paths.side_jobs = false;
+    else if (path == "no-rows-first") o.cuda_paths.rows_first = false;
+    else if (path == "slots") o.cuda_paths.down_to_pool = false;
+    else return fail(invalid_argument("--paths: '" + path + "' is not no-side-jobs, no-rows-first or slots"));
+    at = end + 1;
+  }
 
   MoeProblem p;
   p.num_tokens = std::atoll(opt["tokens"].c_str());

@@ -37,7 +37,8 @@ typedef struct megamoe_config {
   int32_t accumulate_wgrad;  /* 1: dw13/dw2 are f32 and the gradients are added to them */
   int64_t device_timeout_ms; /* bound of device spin-waits; 0 = default (10 s) */
   int32_t fp8_scale;         /* FP8 block scales (fp8, fp8_bwd): 0 fp32 (amax / 448), 1 powers of two */
-  int32_t reserved;          /* must be 0 */
+  int32_t cuda_paths;        /* the other of two equal-result paths (megamoe::CudaPaths), 0 = the defaults:
+                                bit 0 no side jobs, bit 1 no rows-first tiles, bit 2 kDown into slots */
 } megamoe_config;
 
 /* dtype: 0 bf16, 1 f32, 2 f64, 3 int32 (as megamoe::DType); device: 0 cpu, 1 cuda. */

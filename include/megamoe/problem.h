@@ -29,6 +29,23 @@ struct MoeProblem {
   int64_t token_capacity() const { return max_tokens_per_rank > 0 ? max_tokens_per_rank : num_tokens; }
 };
 
+// Backend cuda: which of two paths to the same results the layer takes. Each
+// pair gives bitwise the same outputs (GPU tests check it); the defaults are
+// the faster ones as measured (docs/perf-log.md), the others stay for A/B
+// measurements without a rebuild.
+struct CudaPaths {
+  // The bf16 layer's memory-bound steps (x's gather for GEMM1, x's scatter
+  // for dW13, dx's combine) run in the GEMMs' idle producer warps instead of
+  // kernels of their own.
+  bool side_jobs = true;
+  // Experts whose weights pass 10 MB walk their tiles rows first (few large
+  // experts stream their weights from DRAM once, not once per row tile).
+  bool rows_first = true;
+  // The bf16 forward's kDown writes its rows in pool order, and the combine
+  // sums them by route, instead of rows into slots [j][t].
+  bool down_to_pool = true;
+};
+
 struct MoeOptions {
   Precision precision = Precision::kBF16;
   SavePolicy save_policy = SavePolicy::kKeep;
@@ -45,6 +62,7 @@ struct MoeOptions {
   // Backend cuda: a device spin-wait that waits longer gives up, reports
   // kernel, block, barrier and phase, and the call fails with kTimeout.
   int64_t device_timeout_ms = 10000;
+  CudaPaths cuda_paths;
 };
 
 // Checks the shape-level rules (alignment, divisibility, ranges).

@@ -30,7 +30,7 @@ class Config(ctypes.Structure):
         ("precision", ctypes.c_int32), ("save_policy", ctypes.c_int32),
         ("validate", ctypes.c_int32), ("accumulate_wgrad", ctypes.c_int32),
         ("device_timeout_ms", ctypes.c_int64),
-        ("fp8_scale", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("fp8_scale", ctypes.c_int32), ("cuda_paths", ctypes.c_int32),
     ]
 
 

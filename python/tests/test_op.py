@@ -200,8 +200,8 @@ def test_fp8_scale_reaches_the_library():
     with pytest.raises(megamoe.MegaMoEError, match=r"fp8_scale: expected 0 \(fp32\) or 1 \(pow2\), got 2"):
         _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
                                                    ctypes.byref(saved)))
-    cfg.fp8_scale, cfg.reserved = 1, 7
-    with pytest.raises(megamoe.MegaMoEError, match=r"reserved: must be 0, got 7"):
+    cfg.fp8_scale, cfg.cuda_paths = 1, 8
+    with pytest.raises(megamoe.MegaMoEError, match=r"cuda_paths: expected bits 0-2 \(0 = the defaults\), got 8"):
         _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
                                                    ctypes.byref(saved)))
 

@@ -45,7 +45,8 @@ Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProbl
   if (c->device_timeout_ms < 0) return invalid_argument("device_timeout_ms: must be >= 0 (0 = default)");
   if (c->fp8_scale < 0 || c->fp8_scale > 1)
     return invalid_argument("fp8_scale: expected 0 (fp32) or 1 (pow2), got " + std::to_string(c->fp8_scale));
-  if (c->reserved != 0) return invalid_argument("reserved: must be 0, got " + std::to_string(c->reserved));
+  if (c->cuda_paths < 0 || c->cuda_paths > 7)
+    return invalid_argument("cuda_paths: expected bits 0-2 (0 = the defaults), got " + std::to_string(c->cuda_paths));
   static const Precision kPrecisions[] = {Precision::kBF16, Precision::kFP8, Precision::kFP8Bwd, Precision::kMXFP8};
   p->hidden = c->hidden;
   p->intermediate = c->intermediate;
@@ -62,6 +63,9 @@ Status to_problem(const megamoe_config* c, int64_t num_tokens, megamoe::MoeProbl
   o->accumulate_weight_grads = c->accumulate_wgrad != 0;
   o->fp8_scale_mode = c->fp8_scale == 0 ? ScaleMode::kFloat32 : ScaleMode::kPowerOfTwo;
   if (c->device_timeout_ms > 0) o->device_timeout_ms = c->device_timeout_ms;
+  o->cuda_paths.side_jobs = (c->cuda_paths & 1) == 0;
+  o->cuda_paths.rows_first = (c->cuda_paths & 2) == 0;
+  o->cuda_paths.down_to_pool = (c->cuda_paths & 4) == 0;
   return validate_problem(*p);
 }
 

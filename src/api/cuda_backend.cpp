@@ -11,8 +11,9 @@
 #include "cuda/comm/peer_check.h"
 #include "cuda/common/cuda_status.h"
 #include "cuda/device_query.h"
-#include "cuda/moe/cuda_layer.h"
-#include "cuda/moe/ep_layer.h"
+#include "cuda/layer/ep_layer.h"
+#include "cuda/layer/fp8_weights.h"
+#include "cuda/layer/one_gpu_layer.h"
 
 namespace megamoe::detail {
 namespace {
@@ -93,6 +94,7 @@ Status begin_call(const MoeProblem& p, const MoeOptions& o, const MoeInputs& in,
   const auto stream = static_cast<cudaStream_t>(o.cuda_stream);
   MEGAMOE_RETURN_IF_ERROR(cuda::take_device_error(device, stream));
   call->errors.timeout_ns = static_cast<uint64_t>(o.device_timeout_ms) * 1000000u;
+  call->paths = o.cuda_paths;
   return cuda::prepare_layer_call(ep_owner != nullptr ? *ep_owner : dims_of(p, o), device, stream, b, call,
                                   ep_owner != nullptr);
 }
@@ -263,9 +265,10 @@ Status cuda_ep_forward(const MoeProblem& problem, const MoeOptions& options, con
   MEGAMOE_RETURN_IF_ERROR(check_output("y", y, problem.num_tokens, problem.hidden, FloatMode::kBF16, DeviceType::kCUDA));
   MEGAMOE_RETURN_IF_ERROR(check_aligned("y", y));
   MEGAMOE_RETURN_IF_ERROR(check_same_device({{"y", &y}}, call.device));
-  return end_call(options, call,
-                  cuda::layer_forward_ep(call, g, layer_inputs(inputs), problem.num_tokens, y.data, owner_buffers,
-                                         ep_saved));
+  cuda::EpCall c;
+  MEGAMOE_RETURN_IF_ERROR(
+      cuda::make_ep_call(call, g, layer_inputs(inputs), problem.num_tokens, owner_buffers, ep_saved, &c));
+  return end_call(options, call, cuda::layer_forward_ep(c, y.data));
 }
 
 Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, const MoeInputs& inputs,
@@ -282,15 +285,10 @@ Status cuda_ep_backward(const MoeProblem& problem, const MoeOptions& options, co
   MEGAMOE_RETURN_IF_ERROR(begin_call(problem, options, inputs, owner_buffers, &call, &owner));
   cuda::LayerGrads lg;
   MEGAMOE_RETURN_IF_ERROR(check_backward_outputs(problem, options, dy, grads, call.device, &lg));
-  const cuda::LayerInputs in = layer_inputs(inputs);
-  const int64_t T = problem.num_tokens;
-  Status st = cuda::ep_backward_send_dy(call, g, in, dy.data, T);
-  if (st.ok()) st = cuda::ep_backward_experts(call, g, in, dy.data, T, lg, owner_buffers, ep_saved);
-  if (st.ok()) st = cuda::ep_backward_combine(call, g, in, T, lg);
-  if (st.ok()) st = cuda::ep_backward_send_x(call, g, in, T);
-  if (st.ok()) st = cuda::ep_backward_weight_grads(call, g, in, T, lg, owner_buffers, ep_saved);
-  if (st.ok()) st = cuda::ep_backward_finish(call, g);
-  return end_call(options, call, st);
+  cuda::EpCall c;
+  MEGAMOE_RETURN_IF_ERROR(
+      cuda::make_ep_call(call, g, layer_inputs(inputs), problem.num_tokens, owner_buffers, ep_saved, &c));
+  return end_call(options, call, cuda::layer_backward_ep(c, dy.data, lg));
 }
 
 Status cuda_check_device_errors(int device, void* stream) {

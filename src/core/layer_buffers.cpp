@@ -99,7 +99,7 @@ Status scratch_layout(const LayerDims& d, bool holds_plan, ScratchLayout* out, b
     c.set_offset(out->plan_offset + out->plan.bytes);
   }
   const bool fwd8 = d.precision == Precision::kFP8;
-  out->xdy_pool = c.take(fwd8 && !ep_owner ? 0 : product(C, d.hidden), 2);
+  out->hidden_pool = c.take(fwd8 && !ep_owner ? 0 : product(C, d.hidden), 2);
   out->a_pool = c.take(product(C, d.intermediate), 2);
   out->dz_pool = c.take(product(C, product(d.intermediate, 2)), 2);
   out->dw_partial = c.take(product(C, d.intermediate / 128), 4);

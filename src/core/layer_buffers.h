@@ -20,16 +20,16 @@
 // serves every layer (calls on a stream run one after another):
 //   chunk_counts  i32  [ceil(T / 256), E]
 //   plan          the saved layout above, when the call has no saved buffer
-//   xdy_pool      bf16 [C, H]       forward: pooled x, then kDown's weighted rows (-DMEGAMOE_DOWN_POOL, on);
-//                                   backward: pooled dy, then pooled x again (dW13).
-//                                   Empty for the one-GPU fp8 layer (its e4m3 operands come from the
-//                                   token rows); fp8_bwd's bf16 forward and expert-parallel owners (the
-//                                   backward's rows arrive in bf16) have it
+//   hidden_pool   bf16 [C, H]       forward: pooled x, then kDown's weighted rows in pool order
+//                                   (CudaPaths::down_to_pool); backward: pooled dy, then pooled x
+//                                   again (dW13). Empty for the one-GPU fp8 layer (its e4m3 operands
+//                                   come from the token rows); fp8_bwd's bf16 forward and
+//                                   expert-parallel owners (the backward's rows arrive in bf16) have it
 //   a_pool        bf16 [C, I]       forward: silu(g) u; backward: topk_w * a (the dW2 operand)
 //   dz_pool       bf16 [C, 2I]      backward only
 //   dw_partial    f32  [C, I / 128] backward: per-tile partial sums of d topk_w. Forward (side
 //                                   jobs, bf16): u32 [C / 128] counts of kGateUp's rows in,
-//                                   per row tile (GroupedGemmArgs::side_gather)
+//                                   per row tile (its side gather)
 //   fp8           FP8 precisions only (Fp8Layout below): the e4m3 activation and
 //                 gradient operands and their scales, quantised in each call (empty
 //                 for bf16), in four sets that share one area (each is dead before
@@ -104,7 +104,7 @@ struct ScratchLayout {
   bool holds_plan = false;  // the saved layout lives here (at plan_offset)
   size_t plan_offset = 0;
   SavedLayout plan;         // offsets relative to plan_offset
-  Region xdy_pool, a_pool, dz_pool, dw_partial;
+  Region hidden_pool, a_pool, dz_pool, dw_partial;
   Fp8Layout fp8;
   Region slots;
   size_t bytes = 0;
@@ -117,7 +117,7 @@ Status pool_capacity(const LayerDims& dims, int64_t* rows);
 Status saved_layout(const LayerDims& dims, SavedLayout* out);
 // ep_owner: the layout of an expert-parallel owner's call (LayerCall::
 // slots_at_sources), whose pool receives rows: the bf16 x/dy pool in every
-// precision. Otherwise fp8 has none (see xdy_pool above).
+// precision. Otherwise fp8 has none (see hidden_pool above).
 Status scratch_layout(const LayerDims& dims, bool holds_plan, ScratchLayout* out, bool ep_owner = false);
 
 }  // namespace megamoe

@@ -53,10 +53,10 @@ TEST(LayerBuffers, ScratchWithAndWithoutThePlan) {
   SavedLayout s;
   ASSERT_TRUE(saved_layout(qwen3_30b(4096), &s).ok());
   EXPECT_GE(with.bytes, without.bytes + s.bytes);
-  expect_disjoint_and_aligned({without.chunk_counts, without.xdy_pool, without.a_pool, without.slots, without.dz_pool,
+  expect_disjoint_and_aligned({without.chunk_counts, without.hidden_pool, without.a_pool, without.slots, without.dz_pool,
                                without.dw_partial},
                               without.bytes);
-  expect_disjoint_and_aligned({with.chunk_counts, Region{with.plan_offset, with.plan.bytes}, with.xdy_pool, with.a_pool,
+  expect_disjoint_and_aligned({with.chunk_counts, Region{with.plan_offset, with.plan.bytes}, with.hidden_pool, with.a_pool,
                                with.slots, with.dz_pool, with.dw_partial},
                               with.bytes);
   EXPECT_EQ(without.slots.bytes, 8u * 4096 * 2048 * 2);
@@ -70,7 +70,7 @@ TEST(LayerBuffers, SlotsAreTheTailAnEpOwnerLeavesOut) {
     ASSERT_TRUE(scratch_layout(qwen3_30b(4096), plan, &sl).ok());
     EXPECT_EQ(sl.bytes_without_slots, sl.slots.offset);
     EXPECT_GE(sl.bytes - sl.bytes_without_slots, sl.slots.bytes);
-    for (const Region& r : {sl.chunk_counts, sl.xdy_pool, sl.a_pool, sl.dz_pool, sl.dw_partial})
+    for (const Region& r : {sl.chunk_counts, sl.hidden_pool, sl.a_pool, sl.dz_pool, sl.dw_partial})
       EXPECT_LE(r.offset + r.bytes, sl.bytes_without_slots);
     if (plan) {
       EXPECT_LE(sl.plan_offset + sl.plan.bytes, sl.bytes_without_slots);
@@ -116,10 +116,10 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
   ScratchLayout s8_owner;
   ASSERT_TRUE(scratch_layout(f8, false, &s8_owner, true).ok());
   const size_t pool_bytes = static_cast<size_t>(C * H * 2);
-  EXPECT_EQ(s16.xdy_pool.bytes, pool_bytes);
-  EXPECT_EQ(s8.xdy_pool.bytes, 0u);
-  EXPECT_EQ(s8b.xdy_pool.bytes, pool_bytes);
-  EXPECT_EQ(s8_owner.xdy_pool.bytes, pool_bytes);
+  EXPECT_EQ(s16.hidden_pool.bytes, pool_bytes);
+  EXPECT_EQ(s8.hidden_pool.bytes, 0u);
+  EXPECT_EQ(s8b.hidden_pool.bytes, pool_bytes);
+  EXPECT_EQ(s8_owner.hidden_pool.bytes, pool_bytes);
   EXPECT_EQ(s8_owner.bytes, s8.bytes + pool_bytes);
   // The four sets (GEMM1/2, data gradients, dW2, dW13): each set's regions
   // are disjoint and clear of everything that is not FP8; the sets share one
@@ -140,7 +140,7 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
       size_t largest = 0;
       for (const auto& set : sets) {
         std::vector<Region> all = {s.chunk_counts, s.a_pool, s.dz_pool, s.dw_partial, s.slots};
-        if (s.xdy_pool.bytes > 0) all.push_back(s.xdy_pool);
+        if (s.hidden_pool.bytes > 0) all.push_back(s.hidden_pool);
         if (holds_plan) all.push_back(Region{s.plan_offset, s.plan.bytes});
         for (const Region& r : set)
           if (r.bytes > 0) all.push_back(r);
@@ -151,7 +151,7 @@ TEST(LayerBuffers, Fp8OperandRegionsByPrecision) {
       for (const Region& r : regions(g)) EXPECT_LE(r.offset + r.bytes, s.bytes_without_slots);
       // The area is the largest set (no more, up to alignment): the data gradients' (= dW13's) here;
       // fp8 has no bf16 x/dy pool.
-      const size_t grown = s.bytes + (s_bf16.xdy_pool.bytes - s.xdy_pool.bytes) - s_bf16.bytes;
+      const size_t grown = s.bytes + (s_bf16.hidden_pool.bytes - s.hidden_pool.bytes) - s_bf16.bytes;
       EXPECT_LE(grown, largest + 4 * kBufferAlign);
       EXPECT_GE(grown, largest);
     }

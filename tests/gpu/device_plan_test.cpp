@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "core/routing_plan.h"
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 #include "gpu_test_util.h"
 
 namespace megamoe::testing {

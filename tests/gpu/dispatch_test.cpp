@@ -24,7 +24,7 @@
 #include "cuda/comm/dispatch.h"
 #include "cuda/comm/ep_routing.h"
 #include "cuda/common/device_errors.h"
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 #include "cuda/comm/peer_memory.h"
 #include "gpu_test_util.h"
 

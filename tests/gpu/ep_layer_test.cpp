@@ -1,4 +1,4 @@
-// The expert-parallel layer (cuda/moe/ep_layer.h) against the one-GPU layer:
+// The expert-parallel layer (cuda/layer/ep_layer.h) against the one-GPU layer:
 // P ranks, each with its own tokens (counts differ by rank) and E / P experts,
 // must produce y, dx, d topk_w, dW13 and dW2 bitwise equal to the one-GPU
 // layer's on the whole batch with all E experts (each rank its tokens' rows
@@ -15,14 +15,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "cuda/comm/peer_memory.h"
-#include "cuda/moe/cuda_layer.h"
-#include "cuda/moe/ep_layer.h"
+#include "cuda/layer/ep_layer.h"
+#include "cuda/layer/one_gpu_layer.h"
 #include "gpu_test_util.h"
 #include "megamoe/moe.h"
 #include "testing/device_layer.h"
@@ -40,7 +39,6 @@ struct EpCase {
   bool last_rank_empty = false;  // the last rank brings no tokens (its experts still work for the others);
                                  // its token tensors are then null, as PyTorch's empty CUDA tensors are
   Precision precision = Precision::kBF16;  // FP8: against the one-GPU FP8 layer, bit for bit as well
-  bool pull_rows = false;  // EpGroup::pull_rows: the owners' kGateUp pulls the forward's rows
 };
 void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
 
@@ -134,18 +132,18 @@ int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0
 Status run_ep_phase(int phase, const cuda::LayerCall& call, const cuda::EpGroup& fw, const cuda::EpGroup& bw,
                     const cuda::LayerInputs& in, const cuda::LayerGrads& g, int64_t n, void* y, const void* dy,
                     const MoeBuffers& buffers, void* ep_saved) {
+  cuda::EpCall c;
+  MEGAMOE_RETURN_IF_ERROR(cuda::make_ep_call(call, phase < 3 ? fw : bw, in, n, buffers, ep_saved, &c));
   switch (phase) {
-    case 0: return cuda::ep_forward_send(call, fw, in, n);
-    case 1:
-      return ep_saved != nullptr ? cuda::ep_forward_experts(call, fw, in, n, buffers, ep_saved)
-                                 : cuda::ep_forward_experts(call, fw, in, n, buffers);
-    case 2: return cuda::ep_forward_combine(call, fw, in, n, y);
-    case 3: return cuda::ep_backward_send_dy(call, bw, in, dy, n);
-    case 4: return cuda::ep_backward_experts(call, bw, in, dy, n, g, buffers, ep_saved);
-    case 5: return cuda::ep_backward_combine(call, bw, in, n, g);
-    case 6: return cuda::ep_backward_send_x(call, bw, in, n);
-    case 7: return cuda::ep_backward_weight_grads(call, bw, in, n, g, buffers, ep_saved);
-    default: return cuda::ep_backward_finish(call, bw);
+    case 0: return cuda::ep_forward_send(c);
+    case 1: return cuda::ep_forward_experts(c);
+    case 2: return cuda::ep_forward_combine(c, y);
+    case 3: return cuda::ep_backward_send_dy(c, dy);
+    case 4: return cuda::ep_backward_experts(c, dy, g);
+    case 5: return cuda::ep_backward_combine(c, g);
+    case 6: return cuda::ep_backward_send_x(c);
+    case 7: return cuda::ep_backward_weight_grads(c, g);
+    default: return cuda::ep_backward_finish(c);
   }
 }
 
@@ -239,7 +237,6 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
       cuda::EpGroup ep;
       ep.view = group->view(r), ep.layout = layout, ep.num_experts = c.experts, ep.epoch = e;
       ep.scratch = ranks[static_cast<size_t>(r)].ep_scratch->p;
-      ep.pull_rows = c.pull_rows;
       return ep;
     };
     // Forward (3 phases), then backward (6).
@@ -310,19 +307,7 @@ INSTANTIATE_TEST_SUITE_P(RanksOnOneGpu, EpLayer,
                                            EpCase{"P4_E8_k2_drops_fp8_bwd", 4, 256, 128, 8, 2, Routing::kWithDrops,
                                                   false, Precision::kFP8Bwd},
                                            EpCase{"P3_E6_k2_last_rank_empty_fp8", 3, 128, 128, 6, 2,
-                                                  Routing::kUniform, true, Precision::kFP8},
-                                           // the owners pull the forward's rows (EpGroup::pull_rows)
-                                           EpCase{"P2_E8_k2_pull", 2, 256, 256, 8, 2, Routing::kUniform, false,
-                                                  Precision::kBF16, true},
-                                           EpCase{"P4_E8_k2_drops_pull", 4, 256, 128, 8, 2, Routing::kWithDrops,
-                                                  false, Precision::kBF16, true},
-                                           EpCase{"P8_E16_k4_pull", 8, 128, 128, 16, 4, Routing::kUniform, false,
-                                                  Precision::kBF16, true},
-                                           EpCase{"P3_E6_k2_last_rank_empty_pull", 3, 128, 128, 6, 2,
-                                                  Routing::kUniform, true, Precision::kBF16, true},
-                                           // FP8 pushes whatever pull_rows says
-                                           EpCase{"P2_E8_k2_fp8_pull", 2, 256, 256, 8, 2, Routing::kUniform, false,
-                                                  Precision::kFP8, true}),
+                                                  Routing::kUniform, true, Precision::kFP8}),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return std::string(i.param.name); });
 
 // Each rank on its own GPU and stream, enqueuing its whole call before the
@@ -333,13 +318,11 @@ TEST(MultiGpu, EpLayerOverNvlinkIsBitwiseTheOneGpuLayer) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus", 2, 256, 256, 8, 2, Routing::kUniform}, {0, 1}, true);
-  expect_ep_equals_one_gpu(
-      EpCase{"P2_two_gpus_pull", 2, 256, 256, 8, 2, Routing::kUniform, false, Precision::kBF16, true}, {0, 1}, true);
   expect_ep_equals_one_gpu(EpCase{"P2_two_gpus_fp8", 2, 256, 256, 8, 2, Routing::kWithDrops, false, Precision::kFP8},
                            {0, 1}, true);
 }
 
-TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on the 8-GPU machine
+TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // on an 8-GPU machine
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 8) GTEST_SKIP() << "needs 8 GPUs, " << n << " visible";
   expect_ep_equals_one_gpu(EpCase{"P8_eight_gpus", 8, 256, 256, 16, 4, Routing::kUniform},
@@ -348,12 +331,12 @@ TEST(MultiGpu, EightRanksOnEightGpusAreBitwiseTheOneGpuLayer) {  // issue 13, on
                            {0, 1, 2, 3, 4, 5, 6, 7}, true);
 }
 
-// A forward that cannot complete: ranks [0, present) call it, each with
-// pull_rows = pull(r). Every present rank's call must end (bounded waits),
+// A forward that cannot complete: ranks [0, present) call it. Every present
+// rank's call must end (bounded waits),
 // with an error of `code` whose message holds `named`; y must be NaN rather
 // than stale, and the context must stay usable.
-void expect_forward_fault_is_named(const std::vector<int>& devices, int present, const std::function<bool(int)>& pull,
-                                   StatusCode code, const std::string& named) {
+void expect_forward_fault_is_named(const std::vector<int>& devices, int present, StatusCode code,
+                                   const std::string& named) {
   const int P = static_cast<int>(devices.size()), E = 2 * P, L = 2, k = 2;
   const int64_t H = 128, I = 128, T = 64;
   cuda::DispatchLayout layout;
@@ -396,14 +379,15 @@ void expect_forward_fault_is_named(const std::vector<int>& devices, int present,
       ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
       cuda::EpGroup ep;
       ep.view = group->view(r), ep.layout = layout, ep.num_experts = E, ep.epoch = 1, ep.scratch = R.ep_scratch->p;
-      ep.pull_rows = pull(r);
       const cuda::LayerInputs in{R.dev->x.view().data, static_cast<const int32_t*>(R.dev->topk_idx.view().data),
                                  static_cast<const float*>(R.dev->topk_weights.view().data),
                                  static_cast<const uint16_t*>(R.dev->w13.view().data) + int64_t{r} * L * 2 * I * H,
                                  static_cast<const uint16_t*>(R.dev->w2.view().data) + int64_t{r} * L * H * I};
-      if (phase == 0) MEGAMOE_ASSERT_OK(cuda::ep_forward_send(R.call, ep, in, T));
-      if (phase == 1) MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(R.call, ep, in, T, R.buffers));
-      if (phase == 2) MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(R.call, ep, in, T, R.dev->y.view().data));
+      cuda::EpCall c;
+      MEGAMOE_ASSERT_OK(cuda::make_ep_call(R.call, ep, in, T, R.buffers, nullptr, &c));
+      if (phase == 0) MEGAMOE_ASSERT_OK(cuda::ep_forward_send(c));
+      if (phase == 1) MEGAMOE_ASSERT_OK(cuda::ep_forward_experts(c));
+      if (phase == 2) MEGAMOE_ASSERT_OK(cuda::ep_forward_combine(c, R.dev->y.view().data));
     }
   for (int r = 0; r < present; ++r) {
     ASSERT_EQ(cudaSetDevice(group->device(r)), cudaSuccess);
@@ -508,25 +492,15 @@ TEST(EpLayerFaults, ARankThatDiesBeforeItsBackwardIsNamedAndDxIsNaN) {
 }
 
 // Ranks 0..P-2 call the forward; rank P-1 never comes.
-void expect_missing_rank_is_named(const std::vector<int>& devices, bool pull_rows = false) {
+void expect_missing_rank_is_named(const std::vector<int>& devices) {
   const int P = static_cast<int>(devices.size());
-  expect_forward_fault_is_named(devices, P - 1, [pull_rows](int) { return pull_rows; }, StatusCode::kTimeout,
+  expect_forward_fault_is_named(devices, P - 1, StatusCode::kTimeout,
                                 "rank " + std::to_string(P - 1) + " never delivered its part");
 }
 
-TEST(EpLayerFaults, EightRanksOnOneGpuNameTheOneThatNeverCame) {  // issue 13's fault test, on one GPU
+TEST(EpLayerFaults, EightRanksOnOneGpuNameTheOneThatNeverCame) {  // the EP = 8 fault test, on one GPU
   MEGAMOE_REQUIRE_GPU();
   expect_missing_rank_is_named(std::vector<int>(8, 0));
-  if (::testing::Test::HasFatalFailure()) return;
-  expect_missing_rank_is_named(std::vector<int>(8, 0), /*pull_rows=*/true);
-}
-
-// Rank 0 pulls the forward's rows, rank 1 pushes them: neither finds the
-// other's rows where it looks, so both name the other, and y is NaN.
-TEST(EpLayerFaults, RanksThatDisagreeOnPullRowsAreNamed) {
-  MEGAMOE_REQUIRE_GPU();
-  expect_forward_fault_is_named({0, 0}, 2, [](int r) { return r == 0; }, StatusCode::kInvalidArgument,
-                                "pull_rows must be the same on every rank");
 }
 
 TEST(MultiGpu, AMissingRankIsNamedAcrossGpus) {
@@ -537,7 +511,7 @@ TEST(MultiGpu, AMissingRankIsNamedAcrossGpus) {
   expect_missing_rank_is_named(devices);
 }
 
-// No GPU needed: every phase checks its call before it launches anything.
+// No GPU needed: a call is checked before any phase launches anything.
 TEST(EpLayerArgs, BadCallsAreErrorsBeforeAnyLaunch) {
   cuda::EpGroup ep;
   ep.layout.world = 2, ep.layout.max_tokens = 64, ep.layout.hidden = 128, ep.layout.top_k = 2;
@@ -552,7 +526,8 @@ TEST(EpLayerArgs, BadCallsAreErrorsBeforeAnyLaunch) {
   const uint16_t x = 0;
   const cuda::LayerInputs in{&x, &idx, &w, &x, &x};
   auto expect_error = [&](const cuda::EpGroup& g, int64_t tokens, const char* words) {
-    const Status s = cuda::ep_forward_send(call, g, in, tokens);
+    cuda::EpCall c;
+    const Status s = cuda::make_ep_call(call, g, in, tokens, MoeBuffers{}, nullptr, &c);
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.to_string().find(words), std::string::npos) << s.to_string();
   };

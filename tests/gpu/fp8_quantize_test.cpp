@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cuda/fp8/quantize.h"
-#include "cuda/moe/layer_kernels.h"
+#include "cuda/layer/layer_kernels.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
 

@@ -12,7 +12,6 @@
 
 #include "core/fp8_scale.h"
 #include "cuda/fp8/e4m3.cuh"
-#include "cuda/gemm/route_division.h"
 #include "reference/numerics.h"
 #include "testing/random_layer.h"
 
@@ -136,34 +135,6 @@ TEST(GpuNumerics, QuantizerQuotientsAreTheDivisionsCodes) {
   EXPECT_EQ(counts[2], 0u) << "fp32 codes differ from the division's";
   EXPECT_EQ(counts[3], 0u) << "pow2 codes differ from the division's";
   EXPECT_GT(counts[4], 0u) << "the fast path is right on tiny tiles too: the control cannot fail";
-}
-
-// counts[0]: RouteDivisor's quotient (the gathering producers' route /
-// top_k) differs from the device's division, top_k = blockIdx.y + 1, over
-// the routes below 2^22 and the 2^22 below 2^31.
-__global__ void route_division_kernel(unsigned long long* counts) {
-  const uint32_t d = blockIdx.y + 1;
-  const cuda::RouteDivisor div = cuda::RouteDivisor::of(d);
-  unsigned long long wrong = 0;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (1u << 23); i += gridDim.x * blockDim.x) {
-    const uint32_t n = i < (1u << 22) ? i : (1u << 31) - (1u << 23) + i;
-    wrong += div.divide(n) != n / d;
-  }
-  if (wrong > 0) atomicAdd(&counts[0], wrong);
-}
-
-TEST(GpuNumerics, RouteDivisorEqualsTheDevicesDivision) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible";
-  unsigned long long* d_counts;
-  CUDA_OK(cudaMalloc(&d_counts, sizeof(unsigned long long)));
-  CUDA_OK(cudaMemset(d_counts, 0, sizeof(unsigned long long)));
-  route_division_kernel<<<dim3(256, 64), 256>>>(d_counts);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaDeviceSynchronize());
-  unsigned long long wrong = 0;
-  CUDA_OK(cudaMemcpy(&wrong, d_counts, sizeof wrong, cudaMemcpyDeviceToHost));
-  cudaFree(d_counts);
-  EXPECT_EQ(wrong, 0u) << "quotients that differ, top_k 1 to 64";
 }
 
 TEST(GpuNumerics, ReferenceRoundingMatchesHardwareConversions) {

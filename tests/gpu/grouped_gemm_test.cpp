@@ -11,8 +11,8 @@
 #include "cuda/common/device_errors.h"
 #include "cuda/fp8/quantize.h"
 #include "cuda/gemm/grouped_gemm.h"
-#include "cuda/moe/device_plan.h"
-#include "cuda/moe/layer_kernels.h"
+#include "cuda/plan/device_plan.h"
+#include "cuda/layer/layer_kernels.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
 #include "row_release.h"
@@ -154,23 +154,17 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     m.upload();
   }
   // Launches on the legacy stream and waits; no wait may have given up.
-  void run(cuda::GroupedGemmArgs a) {
+  void run(cuda::GroupedGemmArgs a, const cuda::GemmOverrides& o = {}) {
     if (a.errors.claim == nullptr) a.errors = errors;
-    ASSERT_TRUE(cuda::launch_grouped_gemm(a, sms, nullptr).ok());
+    MEGAMOE_ASSERT_OK(cuda::launch_grouped_gemm(a, sms, nullptr, o));
     MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
   }
-  double route_weight(int src) const { return data.topk_weights.get(src); }
-
-  // A's row scales [rows, kbs] on the device, transposed into the by-k-block layout [kbs, rows].
-  static DeviceTensor scales_by_k_block(const float* by_row, int64_t rows, int64_t kbs) {
-    std::vector<float> s(static_cast<size_t>(rows * kbs)), t(s.size());
-    EXPECT_EQ(cudaMemcpy(s.data(), by_row, s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t kb = 0; kb < kbs; ++kb) t[static_cast<size_t>(kb * rows + r)] = s[static_cast<size_t>(r * kbs + kb)];
-    DeviceTensor out(DType::kF32, {kbs, rows});
-    EXPECT_EQ(cudaMemcpy(out.view().data, t.data(), t.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    return out;
+  void run_narrow(const cuda::GroupedGemmArgs& a) {
+    cuda::GemmOverrides o;
+    o.narrow_tiles = true;
+    run(a, o);
   }
+  double route_weight(int src) const { return data.topk_weights.get(src); }
 
   // Outputs (device pointer, bytes) filled with 0xFF before `first()` and
   // again before `second()` (each launches): every byte must come out the
@@ -204,17 +198,6 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     }
   }
 
-  // M-grouped FP8: g with A's scales by row, then by k-block (transposed here
-  // from g's [a_rows, k / 128] into [k / 128, a_rows]): the same products in
-  // the same order, so the same bytes.
-  void expect_scales_by_k_block_bitwise(cuda::GroupedGemmArgs g, const Outputs& outs) {
-    const DeviceTensor by_k_block = scales_by_k_block(g.a_scales, g.a_rows, g.k / 128);
-    cuda::GroupedGemmArgs by_kb = g;
-    by_kb.a_scales = static_cast<const float*>(by_k_block.view().data);
-    by_kb.a_scales_by_k_block = true;
-    expect_same_bytes(outs, [&] { run(g); }, [&] { run(by_kb); }, "with A's scales by k-block");
-  }
-
   // A stage iteration CTA 0 reaches in an M-grouped launch of `tiles` tiles
   // of `k_blocks` each (past the first ring wrap when it has that many): at
   // least one CTA stalls there, and every CTA that stalls does so at it.
@@ -230,9 +213,9 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     a.make(C, I);
     cuda::GroupedGemmArgs g;
     g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-    g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-    g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+    g.a = {x.dev.view().data, C, H, nullptr};
+    g.b = {w13.dev.view().data, E * 2 * I, H, nullptr};
+    g.out.z = z.dev.view().data, g.out.a = a.dev.view().data;
     return g;
   }
 
@@ -244,10 +227,10 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     slots.make(k * T, N);
     cuda::GroupedGemmArgs g;
     g.mode = GemmMode::kDown, g.plan = plan, g.n = N, g.k = I, g.intermediate = I;
-    g.a = a.dev.view().data, g.a_rows = C, g.a_cols = I;
-    g.b = w2.dev.view().data, g.b_rows = E * N, g.b_cols = I;
-    g.topk_weights = static_cast<const float*>(weights.view().data);
-    g.out0 = slots.dev.view().data;
+    g.a = {a.dev.view().data, C, I, nullptr};
+    g.b = {w2.dev.view().data, E * N, I, nullptr};
+    g.out.topk_weights = static_cast<const float*>(weights.view().data);
+    g.out.slots = slots.dev.view().data;
     return g;
   }
 
@@ -275,9 +258,9 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     slots.make(k * T, N);
     cuda::GroupedGemmArgs g;
     g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = N, g.k = 2 * I, g.intermediate = I;
-    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
-    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = N;
-    g.out0 = slots.dev.view().data;
+    g.a = {dz.dev.view().data, C, 2 * I, nullptr};
+    g.b = {w13.dev.view().data, E * 2 * I, N, nullptr};
+    g.out.slots = slots.dev.view().data;
     return g;
   }
 
@@ -286,9 +269,9 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     out = DeviceTensor(DType::kF32, {E, H, I});
     cuda::GroupedGemmArgs g;
     g.mode = GemmMode::kWeightGrad, g.plan = plan, g.m = H, g.n = I;
-    g.a = pa.dev.view().data, g.a_rows = C, g.a_cols = H;
-    g.b = pb.dev.view().data, g.b_rows = C, g.b_cols = I;
-    g.out0 = out.view().data, g.out_f32 = true;
+    g.a = {pa.dev.view().data, C, H, nullptr};
+    g.b = {pb.dev.view().data, C, I, nullptr};
+    g.out.dw = out.view().data, g.out.dw_f32 = true;
     return g;
   }
 
@@ -310,12 +293,12 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     EXPECT_TRUE(dw_partial.fill_bytes(0xFF).ok());
     cuda::GroupedGemmArgs g;
     g.mode = GemmMode::kDownGrad, g.plan = plan, g.n = ii, g.k = H, g.intermediate = ii;
-    g.a = dy.dev.view().data, g.a_rows = C, g.a_cols = H;
-    g.b = w2.dev.view().data, g.b_rows = E * H, g.b_cols = ii;
-    g.topk_weights = static_cast<const float*>(weights.view().data);
-    g.z_pool = z.dev.view().data;
-    g.out0 = dz.dev.view().data, g.out1 = wa.dev.view().data;
-    g.dw_partial = static_cast<float*>(dw_partial.view().data);
+    g.a = {dy.dev.view().data, C, H, nullptr};
+    g.b = {w2.dev.view().data, E * H, ii, nullptr};
+    g.out.topk_weights = static_cast<const float*>(weights.view().data);
+    g.out.z_in = z.dev.view().data;
+    g.out.dz = dz.dev.view().data, g.out.wa = wa.dev.view().data;
+    g.out.dw_partial = static_cast<float*>(dw_partial.view().data);
     return g;
   }
 
@@ -337,28 +320,6 @@ class GroupedGemm : public ::testing::TestWithParam<int> {
     }
     EXPECT_LT(rel_err(g_rows, r_rows), 1e-2);
     if (rel_err(g_rows, r_rows) > 1e-2) describe_mismatch(g_rows, r_rows, n);
-  }
-
-  // Gathered rows (GroupedGemmArgs::gather): random token rows [T, cols], and
-  // the pool gather_rows makes of them (pool row r: token row row_src[r] / k;
-  // padding rows zero).
-  void token_rows_and_pool(Mat& tok, Mat& pool, int64_t cols, uint64_t stream) {
-    random_mat(tok, T, cols, 1.0, stream);
-    pool.make(C, cols);
-    for (int64_t r = 0; r < pool_rows; ++r)
-      if (row_src[r] >= 0) std::copy_n(&tok.host[row_src[r] / k * cols], cols, &pool.host[r * cols]);
-    pool.upload();
-  }
-  // `g` gathering `tok`'s rows (the operand `which`), then reading the pool
-  // instead: the same bytes.
-  void expect_gathered_bitwise(cuda::GroupedGemmArgs g, cuda::GroupedGemmArgs::Gather which, const Mat& tok,
-                               const Mat& pool, const Outputs& outs) {
-    const bool a = which == cuda::GroupedGemmArgs::Gather::kA;
-    cuda::GroupedGemmArgs gathered = g;
-    (a ? gathered.a : gathered.b) = tok.dev.view().data;
-    gathered.gather = which, gathered.gather_tokens = T;
-    (a ? g.a : g.b) = pool.dev.view().data;
-    expect_same_bytes(outs, [&] { run(gathered); }, [&] { run(g); }, "with gathered rows");
   }
 
   // I = 256: kDownGrad and kWeightGrad (N = I) get two column tiles.
@@ -423,48 +384,10 @@ TEST_P(GroupedGemm, GateUpKMajorWritesZAndSwiglu) {
   // z alone (no a output) is the same z.
   Mat z2;
   z2.make(C, 2 * I);
-  g.out0 = z2.dev.view().data, g.out1 = nullptr;
+  g.out.z = z2.dev.view().data, g.out.a = nullptr;
   run(g);
   const auto z2g = z2.download();
   EXPECT_EQ(z2g, zg);
-}
-
-// bf16 kGateUp in 128 x 256 tiles (the default where I % 128 == 0, as here)
-// against the 128 x 128 tiles (narrow_tiles): z and a bit for bit, with
-// and without the a output. The wide tiles' two consumers share each stage
-// and each computes 64 rows x 256 columns by one m64n256k16 a k-step; the
-// narrow ones take turns, each 128 rows x 128 columns by two m64n128k16.
-TEST_P(GroupedGemm, WideGateUpTilesAreBitwiseTheNarrowOnes) {
-  ASSERT_EQ(I % 128, 0) << "the wide tiles need I % 128 == 0";
-  Mat x, w13, z, a;
-  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());  // NaN wherever nothing is written
-  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
-  run(g);
-  const auto z_wide = z.download(), a_wide = a.download();
-  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
-  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
-  g.narrow_tiles = true;
-  run(g);
-  auto used = [&](const std::vector<float>& v, int64_t cols) {
-    return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
-  };
-  const auto z_narrow = z.download(), a_narrow = a.download();
-  int64_t z_differ = 0, a_differ = 0;
-  for (int64_t i = 0; i < pool_rows * 2 * I; ++i) z_differ += std::memcmp(&z_wide[i], &z_narrow[i], 4) != 0;
-  for (int64_t i = 0; i < pool_rows * I; ++i) a_differ += std::memcmp(&a_wide[i], &a_narrow[i], 4) != 0;
-  EXPECT_EQ(z_differ, 0) << "z elements that differ";
-  EXPECT_EQ(a_differ, 0) << "a elements that differ";
-  // z alone (a not asked for): the wide tiles write the same z and leave a as it was.
-  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
-  ASSERT_TRUE(a.dev.fill_bytes(0xFF).ok());
-  const auto a_before = a.download();
-  g.narrow_tiles = false, g.out1 = nullptr;
-  run(g);
-  EXPECT_EQ(used(z.download(), 2 * I), used(z_wide, 2 * I));
-  const auto a_after = a.download();
-  EXPECT_EQ(std::memcmp(a_after.data(), a_before.data(), a_before.size() * sizeof(float)), 0)
-      << "a written without out1";
 }
 
 // bf16 kDown in 128 x 256 tiles (the default where N % 256 == 0, as here)
@@ -477,14 +400,12 @@ TEST_P(GroupedGemm, WideDownTilesAreBitwiseTheNarrowOnes) {
     ASSERT_EQ(N % 256, 0) << "the wide kDown tiles need N % 256 == 0";
     Mat a, w2, slots;
     const cuda::GroupedGemmArgs g = down_problem(a, w2, slots, N);
-    cuda::GroupedGemmArgs narrow = g;
-    narrow.narrow_tiles = true;
     expect_same_bytes({slots.bytes()}, [&] { run(g); },
-                      [&] { run(narrow); }, N == H ? "in the slots (N = 256)" : "in the slots (N = 512)");
+                      [&] { run_narrow(g); }, N == H ? "in the slots (N = 256)" : "in the slots (N = 512)");
   }
 }
 
-// kDown into pool order (GroupedGemmArgs::down_to_pool): pool row r holds,
+// kDown into pool order (GemmOutputs::pool_rows): pool row r holds,
 // bit for bit, the slot row of its route (row_src[r] = t k + j: slot [j, t])
 // and padding rows hold zeros (the pool starts as 0xFF bytes: a row not
 // stored shows); the combine by route (combine_pool_rows) gives the slot
@@ -499,7 +420,7 @@ TEST_P(GroupedGemm, DownToPoolRowsAreTheSlotRows) {
     pool.make(C, N);
     y.make(T, N);
     cuda::GroupedGemmArgs to_pool = g;
-    to_pool.out0 = pool.dev.view().data, to_pool.down_to_pool = true;
+    to_pool.out.slots = nullptr, to_pool.out.pool_rows = pool.dev.view().data;
     ASSERT_EQ(cudaMemset(pool.dev.view().data, 0xFF, static_cast<size_t>(C * N * 2)), cudaSuccess);
     run(g);
     run(to_pool);
@@ -533,12 +454,18 @@ TEST_P(GroupedGemm, DownToPoolRowsAreTheSlotRows) {
                                                 error_key_dev, errors, y.dev.view().data, nullptr));
     }, "combined from the pool by route");
   }
-  Mat a, w2, slots;
+  Mat a, w2, slots, pool;
+  pool.make(C, H);
   cuda::GroupedGemmArgs bad = down_problem(a, w2, slots);
-  bad.down_to_pool = true, bad.narrow_tiles = true;
-  const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
+  bad.out.slots = nullptr, bad.out.pool_rows = pool.dev.view().data;
+  cuda::GemmOverrides narrow;
+  narrow.narrow_tiles = true;
+  const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr, narrow);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.message().find("down_to_pool"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("pool-order rows"), std::string::npos) << st.to_string();
+  bad.out.slots = slots.dev.view().data;  // both ways at once
+  const Status both = cuda::launch_grouped_gemm(bad, sms, nullptr);
+  EXPECT_EQ(both.code(), StatusCode::kInvalidArgument) << both.to_string();
   MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
@@ -614,10 +541,10 @@ TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok());
   cuda::GroupedGemmArgs g;
   g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.fp8 = true;
-  g.a = qx.q.view().data, g.a_rows = C, g.a_cols = H, g.a_scales = static_cast<const float*>(qx.s.view().data);
-  g.b = qw.q.view().data, g.b_rows = E * 2 * I, g.b_cols = H, g.b_scales = static_cast<const float*>(qw.s.view().data);
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
+  g.elem = cuda::ElemType::kE4M3;
+  g.a = {qx.q.view().data, C, H, static_cast<const float*>(qx.s.view().data)};
+  g.b = {qw.q.view().data, E * 2 * I, H, static_cast<const float*>(qw.s.view().data)};
+  g.out.z = z.dev.view().data, g.out.a = a.dev.view().data;
   run(g);
   const auto ref = pool_gemm_values(qx.value, H, 2 * I, row_src, tile_expert, pool_rows,
                                     [&](int e, int64_t kk, int64_t n) { return qw.value[(e * 2 * I + n) * H + kk]; });
@@ -643,20 +570,18 @@ TEST_P(GroupedGemm, GateUpFp8MatchesTheDequantisedOperands) {
       aref[r * I + i] = gg / (1 + std::exp(-gg)) * u;
     }
   EXPECT_LT(rel_err(ag_used, aref), 1.5e-2);  // as the bf16 test's bound for a
-  expect_scales_by_k_block_bitwise(g, {{z.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
-                                       {a.dev.view().data, static_cast<size_t>(pool_rows * I * 2)}});
   const size_t zb = static_cast<size_t>(pool_rows * 2 * I * 2), ab = static_cast<size_t>(pool_rows * I * 2);
   std::vector<uint8_t> z1(zb), a1(ab);
   // Timing only: without the epilogue nothing is written.
   ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
-  cuda::GroupedGemmArgs no_epilogue = g;
-  no_epilogue.debug_skip_epilogue = true;
-  run(no_epilogue);
+  cuda::GemmOverrides no_epilogue;
+  no_epilogue.skip_epilogue = true;
+  run(g, no_epilogue);
   ASSERT_EQ(cudaMemcpy(z1.data(), z.dev.view().data, zb, cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(a1.data(), a.dev.view().data, ab, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_TRUE(std::all_of(z1.begin(), z1.end(), [](uint8_t b) { return b == 0xFF; }) &&
               std::all_of(a1.begin(), a1.end(), [](uint8_t b) { return b == 0xFF; }))
-      << "debug_skip_epilogue wrote outputs";
+      << "skip_epilogue wrote outputs";
 }
 
 TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
@@ -665,14 +590,13 @@ TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
   vary_block_magnitudes(a, 1);
   vary_block_magnitudes(w2, 128);
   const Fp8Operand qa = quantize_fp8(a, 0), qw = quantize_fp8(w2, H);
-  g.fp8 = true;
-  g.a = qa.q.view().data, g.a_scales = static_cast<const float*>(qa.s.view().data);
-  g.b = qw.q.view().data, g.b_scales = static_cast<const float*>(qw.s.view().data);
+  g.elem = cuda::ElemType::kE4M3;
+  g.a.data = qa.q.view().data, g.a.scales = static_cast<const float*>(qa.s.view().data);
+  g.b.data = qw.q.view().data, g.b.scales = static_cast<const float*>(qw.s.view().data);
   run(g);
   const auto ref = pool_gemm_values(qa.value, I, H, row_src, tile_expert, pool_rows,
                                     [&](int e, int64_t kk, int64_t n) { return qw.value[(e * H + n) * I + kk]; });
   expect_slots_match(slots, ref, /*weighted=*/true);
-  expect_scales_by_k_block_bitwise(g, {slots.bytes()});
 }
 
 // Power-of-two scales make every dequantised value (an e4m3 value times 2^k)
@@ -682,7 +606,8 @@ TEST_P(GroupedGemm, DownFp8MatchesTheDequantisedOperands) {
 // the outputs. Used for the modes whose epilogues have no double reference here.
 struct Pow2Fp8 {
   DeviceTensor q, s;
-  Mat deq;  // bf16, exact
+  Mat deq;           // bf16, exact
+  Mat deq_as_given;  // pow2_blocks_transposed: the same values untransposed (the bf16 kernels' MN-major B)
 };
 
 // 1 x 128 row tiles: q [rows, cols], s [rows, cols / 128], deq [rows, cols].
@@ -710,7 +635,7 @@ Pow2Fp8 pow2_rows(const Mat& m) {
 // 128 x 128 blocks of each of `experts` matrices [rows / experts, cols], and
 // their transposed copy, which is the K-major B of kDownGrad / kGateUpGrad:
 // q = q_t [experts * cols, rows / experts], s [experts, rows / experts / 128,
-// cols / 128], deq the transposed values.
+// cols / 128], deq the transposed values, deq_as_given the values as m lays them out.
 Pow2Fp8 pow2_blocks_transposed(const Mat& m, int64_t experts) {
   Pow2Fp8 o;
   const int64_t R = m.rows / experts, Cc = m.cols;
@@ -727,13 +652,16 @@ Pow2Fp8 pow2_blocks_transposed(const Mat& m, int64_t experts) {
   EXPECT_EQ(cudaMemcpy(qh.data(), qt, qh.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(sh.data(), s, sh.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   o.deq.make(experts * Cc, R);
+  o.deq_as_given.make(m.rows, Cc);
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t c = 0; c < Cc; ++c)
       for (int64_t r = 0; r < R; ++r) {
         const size_t i = static_cast<size_t>((e * Cc + c) * R + r);
         o.deq.host[i] = numerics::float_from_e4m3(qh[i]) * sh[(e * (R / 128) + r / 128) * (Cc / 128) + c / 128];
+        o.deq_as_given.host[static_cast<size_t>((e * R + r) * Cc + c)] = o.deq.host[i];
       }
   o.deq.upload();
+  o.deq_as_given.upload();
   return o;
 }
 
@@ -785,10 +713,10 @@ TEST_P(GroupedGemm, WeightGradFp8IsBf16OnTheDequantisedOperands) {
   run(g);
   out8 = DeviceTensor(DType::kF32, {E, H, I});
   ASSERT_TRUE(out8.fill_bytes(0xFF).ok());
-  g.fp8 = true, g.pair_ctas = true;  // (pairs are bf16-only: FP8 must ignore the request)
-  g.a = qa.q.view().data, g.a_rows = H, g.a_cols = C, g.a_scales = static_cast<const float*>(qa.s.view().data);
-  g.b = qb.q.view().data, g.b_rows = I, g.b_cols = C, g.b_scales = static_cast<const float*>(qb.s.view().data);
-  g.out0 = out8.view().data;
+  g.elem = cuda::ElemType::kE4M3;
+  g.a = {qa.q.view().data, H, C, static_cast<const float*>(qa.s.view().data)};
+  g.b = {qb.q.view().data, I, C, static_cast<const float*>(qb.s.view().data)};
+  g.out.dw = out8.view().data;
   run(g);
   HostTensor h16(DType::kF32, {E, H, I}), h8(DType::kF32, {E, H, I});
   ASSERT_TRUE(out16.download(&h16).ok() && out8.download(&h8).ok());
@@ -799,7 +727,7 @@ TEST_P(GroupedGemm, WeightGradFp8IsBf16OnTheDequantisedOperands) {
   std::printf("  FP8 kWeightGrad vs bf16 on the same values: %.2e\n", err);
   EXPECT_LT(err, 1e-3);  // fp32 outputs: only the accumulation order differs; a wrong scale is O(1)
   // A misshapen call is refused by name.
-  g.a_rows = C;
+  g.a.rows = C;
   const Status bad = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(bad.to_string().find("A^T [m, C]"), std::string::npos) << bad.to_string();
 }
@@ -811,17 +739,19 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   vary_block_magnitudes(dy, 1);
   vary_block_magnitudes(w2, 128);
   const Pow2Fp8 qdy = pow2_rows(dy), qw = pow2_blocks_transposed(w2, E);  // w2 [E*H, I] -> [E*I, H]
-  g.a = qdy.deq.dev.view().data;
-  g.b = qw.deq.dev.view().data, g.b_rows = E * I, g.b_cols = H, g.b_k_major = true;
+  g.a.data = qdy.deq.dev.view().data;
+  g.b.data = qw.deq_as_given.dev.view().data;  // bf16 reads B as given, MN-major
   run(g);
   Mat dz8, wa8;
   dz8.make(C, 2 * I), wa8.make(C, I);
   DeviceTensor dwp8(DType::kF32, {C, I / 128});
   ASSERT_TRUE(dz8.dev.fill_bytes(0xFF).ok() && wa8.dev.fill_bytes(0xFF).ok() && dwp8.fill_bytes(0xFF).ok());
-  g.fp8 = true;
-  g.a = qdy.q.view().data, g.a_scales = static_cast<const float*>(qdy.s.view().data);
-  g.b = qw.q.view().data, g.b_scales = static_cast<const float*>(qw.s.view().data);
-  g.out0 = dz8.dev.view().data, g.out1 = wa8.dev.view().data, g.dw_partial = static_cast<float*>(dwp8.view().data);
+  g.elem = cuda::ElemType::kE4M3;
+  g.a.data = qdy.q.view().data, g.a.scales = static_cast<const float*>(qdy.s.view().data);
+  g.b = {qw.q.view().data, E * I, H, static_cast<const float*>(qw.s.view().data)};
+  g.b_transposed = true;
+  g.out.dz = dz8.dev.view().data, g.out.wa = wa8.dev.view().data;
+  g.out.dw_partial = static_cast<float*>(dwp8.view().data);
   run(g);
   const size_t dz_n = static_cast<size_t>(pool_rows * 2 * I), wa_n = static_cast<size_t>(pool_rows * I);
   const double e_dz = rel_err(dz8.download(), as_double(dz.download(), dz_n));
@@ -837,13 +767,10 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   EXPECT_LT(e_dz, 4e-3);
   EXPECT_LT(e_wa, 4e-3);
   EXPECT_LT(e_p, 1e-3);
-  expect_scales_by_k_block_bitwise(g, {{dz8.dev.view().data, static_cast<size_t>(pool_rows * 2 * I * 2)},
-                                       {wa8.dev.view().data, static_cast<size_t>(pool_rows * I * 2)},
-                                       {dwp8.view().data, static_cast<size_t>(pool_rows * (I / 128) * 4)}});
 
   // dz in e4m3 from the epilogue (dz_q): bitwise what the row quantizer makes
-  // of the bf16 dz the same call writes, scales by row and by k-block, and
-  // the epilogue's other outputs unchanged. Four rows of the saved z first
+  // of the bf16 dz the same call writes, and the epilogue's other outputs
+  // unchanged. Four rows of the saved z first
   // get values the recipe must survive: u = inf in one column (that dz_g
   // group's amax and scale are inf: pow2's reciprocal is 0), g = inf (NaN in
   // the row), every z 1e30 (huge dz), every z 1e-37 (dz near the bottom of
@@ -865,27 +792,21 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   std::vector<uint8_t> dz_before(dz_bytes);
   ASSERT_EQ(cudaMemcpy(dz_before.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   const int64_t groups = 2 * I / 128;
-  // A's scales by k-block too in the by-k-block runs: the kernel the layer uses with both.
-  const DeviceTensor a_scales_t = scales_by_k_block(g.a_scales, C, H / 128);
-  for (const bool by_k_block : {false, true})
-    for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
-      const std::string what = std::string(by_k_block ? "by k-block" : "by row") +
-                               (kind == cuda::Fp8Scale::kFloat32 ? ", fp32 scales" : ", pow2 scales");
+  for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
+      const std::string what = kind == cuda::Fp8Scale::kFloat32 ? "fp32 scales" : "pow2 scales";
       DeviceTensor fq(DType::kFP8E4M3, {C, 2 * I}), fs(DType::kF32, {C, groups});
       DeviceTensor rq(DType::kFP8E4M3, {C, 2 * I}), rs(DType::kF32, {C, groups});
       ASSERT_TRUE(fq.fill_bytes(0xAB).ok() && fs.fill_bytes(0xAB).ok());
       cuda::GroupedGemmArgs q = g;
-      q.dz_q = static_cast<uint8_t*>(fq.view().data), q.dz_s = static_cast<float*>(fs.view().data);
-      q.dz_scale = kind, q.dz_scales_by_k_block = by_k_block;
-      if (by_k_block) q.a_scales = static_cast<const float*>(a_scales_t.view().data), q.a_scales_by_k_block = true;
+      q.out.dz_q = static_cast<uint8_t*>(fq.view().data), q.out.dz_s = static_cast<float*>(fs.view().data);
+      q.out.dz_scale = kind;
       run(q);
       std::vector<uint8_t> dz_after(dz_bytes);
       ASSERT_EQ(cudaMemcpy(dz_after.data(), dz8.dev.view().data, dz_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
       EXPECT_TRUE(dz_after == dz_before) << "dz changed with dz_q set, " << what;
-      const auto layout = by_k_block ? cuda::RowScales::kByKBlock : cuda::RowScales::kByRow;
       MEGAMOE_ASSERT_OK(cuda::quantize_e4m3_rows(dz8.dev.view().data, C, 2 * I, kind,
                                                  static_cast<uint8_t*>(rq.view().data),
-                                                 static_cast<float*>(rs.view().data), nullptr, layout));
+                                                 static_cast<float*>(rs.view().data), nullptr));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       std::vector<uint8_t> got_q(static_cast<size_t>(C * 2 * I)), want_q(got_q.size());
       std::vector<uint32_t> got_s(static_cast<size_t>(C * groups)), want_s(got_s.size());
@@ -903,7 +824,7 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
             written_past += got_q[i] != 0xAB;
         }
         for (int64_t gi = 0; gi < groups; ++gi) {
-          const size_t i = static_cast<size_t>(by_k_block ? gi * C + r : r * groups + gi);
+          const size_t i = static_cast<size_t>(r * groups + gi);
           if (r < pool_rows)
             s_differ += got_s[i] != want_s[i];
           else
@@ -917,16 +838,18 @@ TEST_P(GroupedGemm, DownGradFp8IsBf16OnTheDequantisedOperands) {
   // Refused where it does not exist: no scales, another mode (buffers of the right size, never written).
   DeviceTensor spare_q(DType::kFP8E4M3, {C, 2 * I}), spare_s(DType::kF32, {C, groups});
   cuda::GroupedGemmArgs bad = g;
-  bad.dz_q = static_cast<uint8_t*>(spare_q.view().data), bad.dz_s = nullptr;
+  bad.out.dz_q = static_cast<uint8_t*>(spare_q.view().data), bad.out.dz_s = nullptr;
   const Status no_s = cuda::launch_grouped_gemm(bad, sms, nullptr);
-  EXPECT_NE(no_s.to_string().find("dz_q"), std::string::npos) << no_s.to_string();
+  EXPECT_NE(no_s.to_string().find("dz in e4m3"), std::string::npos) << no_s.to_string();
   cuda::GroupedGemmArgs other;
   other.mode = GemmMode::kDown, other.plan = plan, other.n = H, other.k = I, other.intermediate = I;
-  other.dz_q = static_cast<uint8_t*>(spare_q.view().data), other.dz_s = static_cast<float*>(spare_s.view().data);
+  other.out.dz_q = static_cast<uint8_t*>(spare_q.view().data);
+  other.out.dz_s = static_cast<float*>(spare_s.view().data);
   const Status not_down_grad = cuda::launch_grouped_gemm(other, sms, nullptr);
-  EXPECT_NE(not_down_grad.to_string().find("dz_q"), std::string::npos) << not_down_grad.to_string();
+  EXPECT_NE(not_down_grad.to_string().find("dz in e4m3"), std::string::npos) << not_down_grad.to_string();
   cuda::GroupedGemmArgs unaligned = g;  // the epilogue stores 8 bytes at a time
-  unaligned.dz_q = static_cast<uint8_t*>(spare_q.view().data) + 4, unaligned.dz_s = static_cast<float*>(spare_s.view().data);
+  unaligned.out.dz_q = static_cast<uint8_t*>(spare_q.view().data) + 4;
+  unaligned.out.dz_s = static_cast<float*>(spare_s.view().data);
   const Status misaligned = cuda::launch_grouped_gemm(unaligned, sms, nullptr);
   EXPECT_NE(misaligned.to_string().find("dz_q 8-byte"), std::string::npos) << misaligned.to_string();
 }
@@ -942,14 +865,15 @@ TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
   ASSERT_TRUE(slots.dev.fill_bytes(0).ok() && slots8.dev.fill_bytes(0).ok());
   cuda::GroupedGemmArgs g;
   g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I;
-  g.a = qdz.deq.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
-  g.b = qw.deq.dev.view().data, g.b_rows = E * H, g.b_cols = 2 * I, g.b_k_major = true;
-  g.out0 = slots.dev.view().data;
+  g.a = {qdz.deq.dev.view().data, C, 2 * I, nullptr};
+  g.b = {qw.deq_as_given.dev.view().data, E * 2 * I, H, nullptr};  // bf16 reads B as given, MN-major
+  g.out.slots = slots.dev.view().data;
   run(g);
-  g.fp8 = true;
-  g.a = qdz.q.view().data, g.a_scales = static_cast<const float*>(qdz.s.view().data);
-  g.b = qw.q.view().data, g.b_scales = static_cast<const float*>(qw.s.view().data);
-  g.out0 = slots8.dev.view().data;
+  g.elem = cuda::ElemType::kE4M3;
+  g.a.data = qdz.q.view().data, g.a.scales = static_cast<const float*>(qdz.s.view().data);
+  g.b = {qw.q.view().data, E * H, 2 * I, static_cast<const float*>(qw.s.view().data)};
+  g.b_transposed = true;
+  g.out.slots = slots8.dev.view().data;
   run(g);
   const auto a = slots.download(), b = slots8.download();
   std::vector<float> got;
@@ -964,46 +888,52 @@ TEST_P(GroupedGemm, GateUpGradFp8IsBf16OnTheDequantisedOperands) {
   const double err = rel_err(got, ref);
   std::printf("  FP8 kGateUpGrad dx slots vs bf16 on the same values: %.2e\n", err);
   EXPECT_LT(err, 4e-3);
-  expect_scales_by_k_block_bitwise(g, {slots8.bytes()});
 }
 
 TEST_P(GroupedGemm, Fp8IsRefusedWhereItIsNotBuilt) {
   cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.fp8 = true;  // B not K-major
+  g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.elem = cuda::ElemType::kE4M3;  // B not transposed
   const Status mn = cuda::launch_grouped_gemm(g, sms, nullptr);
-  EXPECT_NE(mn.to_string().find("b_k_major"), std::string::npos) << mn.to_string();
-  g.mode = GemmMode::kDownGrad, g.b_k_major = true, g.b_rows = 100, g.b_cols = 2 * I, g.n = 100;  // n not whole 128s
+  EXPECT_NE(mn.to_string().find("give B transposed"), std::string::npos) << mn.to_string();
+  g.mode = GemmMode::kDownGrad, g.b_transposed = true, g.b.rows = 100, g.b.cols = 2 * I, g.n = 100;  // n not whole 128s
   const Status st = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(st.code(), StatusCode::kOk) << st.to_string();
-  g.mode = GemmMode::kDown, g.b_k_major = false, g.n = H, g.k = 192, g.intermediate = 192;  // K not whole 128-blocks
-  g.a_scales = g.b_scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
+  g.mode = GemmMode::kDown, g.b_transposed = false, g.n = H, g.k = 192, g.intermediate = 192;  // K not whole 128-blocks
+  g.a.scales = g.b.scales = static_cast<const float*>(weights.view().data);  // (never read: refused first)
   const Status k192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(k192.to_string().find("multiple of 128"), std::string::npos) << k192.to_string();
-  // A's scales by k-block: M-grouped FP8 only, a_rows whole 16-byte runs of scales, a_scales 16-byte aligned.
-  const auto* aligned = static_cast<const float*>(weights.view().data);
-  auto expect_by_k_block_refused = [&](const cuda::GroupedGemmArgs& bad, const char* why) {
-    const Status r = cuda::launch_grouped_gemm(bad, sms, nullptr);
-    EXPECT_NE(r.to_string().find("a_scales_by_k_block"), std::string::npos) << why << ": " << r.to_string();
-  };
-  cuda::GroupedGemmArgs w;
-  w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I, w.k = 128, w.a_scales_by_k_block = true;
-  expect_by_k_block_refused(w, "bf16");
-  w.fp8 = true, w.a_rows = H, w.a_cols = C, w.b_rows = I, w.b_cols = C, w.a_scales = w.b_scales = aligned;
-  expect_by_k_block_refused(w, "FP8 kWeightGrad");
-  cuda::GroupedGemmArgs d;
-  d.mode = GemmMode::kDown, d.plan = plan, d.n = H, d.k = I, d.intermediate = I, d.fp8 = true;
-  d.a_rows = C - 2, d.a_cols = I, d.b_rows = E * H, d.b_cols = I, d.a_scales = d.b_scales = aligned;
-  d.a_scales_by_k_block = true;
-  expect_by_k_block_refused(d, "a_rows not a multiple of 4");
-  d.a_rows = C, d.a_scales = aligned + 1;
-  expect_by_k_block_refused(d, "a_scales not 16-byte aligned");
   // kGateUp's up columns start I / 128 scale blocks after the gate columns: I must be whole blocks.
-  g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a_cols = g.b_cols = H, g.b_rows = E * 384;
+  g.mode = GemmMode::kGateUp, g.n = 192, g.k = H, g.intermediate = 192, g.a.cols = g.b.cols = H, g.b.rows = E * 384;
   const Status i192 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(i192.to_string().find("I a multiple of 128"), std::string::npos) << i192.to_string();
-  g.n = 128, g.intermediate = 256, g.b_rows = E * 512;  // n is not I: the paired column walk would drop a tile
+  g.n = 128, g.intermediate = 256, g.b.rows = E * 512;  // n is not I: the paired column walk would drop a tile
   const Status n128 = cuda::launch_grouped_gemm(g, sms, nullptr);
   EXPECT_NE(n128.to_string().find("n = I"), std::string::npos) << n128.to_string();
+}
+
+// What no layer call selects is not built, and asking for it is refused by
+// name (kernel_spec.h's kBuiltKernels): bf16 kGateUp in 128 x 128 tiles,
+// held rows outside bf16 kGateUp, bf16 with B transposed.
+TEST_P(GroupedGemm, KernelsThatAreNotBuiltAreRefused) {
+  auto expect_refused = [&](const cuda::GroupedGemmArgs& bad, const cuda::GemmOverrides& o, const char* want) {
+    const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr, o);
+    EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << want << ": " << st.to_string();
+    EXPECT_NE(st.message().find(want), std::string::npos) << st.to_string();
+  };
+  cuda::GemmOverrides narrow;
+  narrow.narrow_tiles = true;
+  Mat x, w13, z, a;
+  expect_refused(gate_up_problem(x, w13, z, a), narrow, "kGateUp bf16 128x128 is not built");
+  DeviceTensor counters(DType::kI32, {C / 128});
+  Mat a2, w2, slots;
+  cuda::GroupedGemmArgs held = down_problem(a2, w2, slots);
+  held.arrival.rows_ready = static_cast<const uint32_t*>(counters.view().data), held.arrival.ready_value = 1;
+  expect_refused(held, {}, "held rows are built for bf16 kGateUp only, not kDown");
+  Mat dz, w13g, slots2;
+  cuda::GroupedGemmArgs transposed = gate_up_grad_problem(dz, w13g, slots2, H);
+  transposed.b_transposed = true, transposed.b.rows = E * H, transposed.b.cols = 2 * I;
+  expect_refused(transposed, {}, "bf16 reads B as given");
+  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
 TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
@@ -1015,16 +945,14 @@ TEST_P(GroupedGemm, GateUpGradMnMajorWeightsIntoSlots) {
 }
 
 // bf16 kGateUpGrad in 128 x 256 tiles (the default) against the 128 x 128
-// tiles (GroupedGemmArgs::narrow_tiles): the dx slots bit for bit (NaN-filled first).
+// tiles (GemmOverrides::narrow_tiles): the dx slots bit for bit (NaN-filled first).
 // N = 256 (one wide column tile) and 512 (two: tile.n > 0 reaches B's
 // columns and the slot columns); the wide slots also against the CPU.
 TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
   for (const int64_t N : {H, int64_t{512}}) {
     Mat dz, w13, slots;
     const cuda::GroupedGemmArgs wide = gate_up_grad_problem(dz, w13, slots, N);
-    cuda::GroupedGemmArgs narrow = wide;
-    narrow.narrow_tiles = true;
-    expect_same_bytes({slots.bytes()}, [&] { run(narrow); },
+    expect_same_bytes({slots.bytes()}, [&] { run_narrow(wide); },
                       [&] { run(wide); }, N == H ? "in the dx slots (N = 256)" : "in the dx slots (N = 512)");
     // The wide run's slots against the CPU.
     const auto ref = pool_gemm(dz, 2 * I, N, row_src, tile_expert, pool_rows,
@@ -1033,86 +961,42 @@ TEST_P(GroupedGemm, WideGateUpGradTilesAreBitwiseTheNarrowOnes) {
   }
 }
 
-// bf16 kDownGrad in 128 x 256 tiles (wide_down_grad) against the 128 x 128
-// tiles: dz, w a and the d topk_w partials bit for bit, I = 256 (one wide
-// column tile) and 512 (two: a tile's column halves are dz's 128-column
-// blocks 2n and 2n + 1); with dz in e4m3 from the epilogue (dz_q, fp32 and
-// pow2 scales); and with dy's rows gathered. The narrow tiles' results are
-// checked against the CPU elsewhere (DownGradMnMajorFusedEpilogue).
-TEST_P(GroupedGemm, WideDownGradTilesAreBitwiseTheNarrowOnes) {
-  for (const int64_t ii : {I, int64_t{512}}) {
-    Mat dy, w2, z, dz, wa, tok;
-    DeviceTensor dw_partial;
-    const cuda::GroupedGemmArgs narrow = down_grad_problem(dy, w2, z, dz, wa, dw_partial, ii);
-    cuda::GroupedGemmArgs wide = narrow;
-    wide.wide_down_grad = true;
-    const std::string at = " (I = " + std::to_string(ii) + ")";
-    Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (ii / 128) * 4)}};
-    expect_same_bytes(outs, [&] { run(narrow); }, [&] { run(wide); }, ("in dz, w a, d topk_w" + at).c_str());
-    // dz_q / dz_s: every row (the pool's used rows are written, the others keep the fill in both runs).
-    DeviceTensor dq(DType::kFP8E4M3, {C, 2 * ii}), ds(DType::kF32, {C, 2 * ii / 128});
-    for (const cuda::Fp8Scale kind : {cuda::Fp8Scale::kFloat32, cuda::Fp8Scale::kPowerOfTwo}) {
-      cuda::GroupedGemmArgs nq = narrow, wq = wide;
-      for (cuda::GroupedGemmArgs* q : {&nq, &wq})
-        q->dz_q = static_cast<uint8_t*>(dq.view().data), q->dz_s = static_cast<float*>(ds.view().data),
-        q->dz_scale = kind;
-      Outputs with_q = outs;
-      with_q.push_back({dq.view().data, static_cast<size_t>(C * 2 * ii)});
-      with_q.push_back({ds.view().data, static_cast<size_t>(C * (2 * ii / 128) * 4)});
-      expect_same_bytes(with_q, [&] { run(nq); }, [&] { run(wq); }, ("with dz_q" + at).c_str());
-    }
-    // dy's rows gathered by the wide kernel against the narrow pooled one.
-    token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
-    cuda::GroupedGemmArgs pooled = narrow, gathered = wide;
-    pooled.a = dy.dev.view().data;
-    gathered.a = tok.dev.view().data, gathered.gather = cuda::GroupedGemmArgs::Gather::kA, gathered.gather_tokens = T;
-    expect_same_bytes(outs, [&] { run(pooled); }, [&] { run(gathered); }, ("with dy gathered" + at).c_str());
-  }
-}
-
-// rows_first (an expert's row tiles of one column tile next to each other)
+// Rows first (an expert's row tiles of one column tile next to each other)
 // against the columns-first order: every output bit for bit, in each
-// M-grouped mode, in 128 x 256 and 128 x 128 tiles, and kDownGrad with dy
-// gathered. Here an expert holds 1-3 row tiles and 2-4 column tiles, so the
-// orders differ in every expert; a tile numbered twice or left out shows.
+// M-grouped mode and tile shape it is built for. Here an expert holds 1-3
+// row tiles and 2-4 column tiles, so the orders differ in every expert; a
+// tile numbered twice or left out shows.
 TEST_P(GroupedGemm, RowsFirstTilesAreBitwiseTheColumnsFirstOnes) {
-  auto both_orders = [&](const cuda::GroupedGemmArgs& g, const Outputs& outs, const char* what) {
+  auto both_orders = [&](const cuda::GroupedGemmArgs& g, const Outputs& outs, const char* what, bool narrow = false) {
     cuda::GroupedGemmArgs rows_first = g;
-    rows_first.rows_first = true;
-    expect_same_bytes(outs, [&] { run(g); }, [&] { run(rows_first); }, what);
+    rows_first.tile_order = cuda::TileOrder::kRowsFirst;
+    cuda::GemmOverrides o;
+    o.narrow_tiles = narrow;
+    expect_same_bytes(outs, [&] { run(g, o); }, [&] { run(rows_first, o); }, what);
   };
   {
     Mat x, w13, z, a;
-    cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+    const cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
     both_orders(g, {z.bytes(), a.bytes()}, "kGateUp (128 x 256)");
-    g.narrow_tiles = true;
-    both_orders(g, {z.bytes(), a.bytes()}, "kGateUp (128 x 128)");
   }
   {
     Mat a, w2, slots;
-    cuda::GroupedGemmArgs g = down_problem(a, w2, slots, 512);
+    const cuda::GroupedGemmArgs g = down_problem(a, w2, slots, 512);
     both_orders(g, {slots.bytes()}, "kDown (128 x 256, N = 512)");
-    g.narrow_tiles = true;
-    both_orders(g, {slots.bytes()}, "kDown (128 x 128, N = 512)");
+    both_orders(g, {slots.bytes()}, "kDown (128 x 128, N = 512)", true);
   }
   {
-    Mat dy, w2, z, dz, wa, tok;
+    Mat dy, w2, z, dz, wa;
     DeviceTensor dw_partial;
-    cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial, 512);
+    const cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial, 512);
     const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (512 / 128) * 4)}};
     both_orders(g, outs, "kDownGrad (128 x 128, I = 512)");
-    g.wide_down_grad = true;
-    both_orders(g, outs, "kDownGrad (128 x 256, I = 512)");
-    token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
-    g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
-    both_orders(g, outs, "kDownGrad (128 x 256, dy gathered)");
   }
   {
     Mat dz, w13, slots;
-    cuda::GroupedGemmArgs g = gate_up_grad_problem(dz, w13, slots, 512);
+    const cuda::GroupedGemmArgs g = gate_up_grad_problem(dz, w13, slots, 512);
     both_orders(g, {slots.bytes()}, "kGateUpGrad (128 x 256, N = 512)");
-    g.narrow_tiles = true;
-    both_orders(g, {slots.bytes()}, "kGateUpGrad (128 x 128, N = 512)");
+    both_orders(g, {slots.bytes()}, "kGateUpGrad (128 x 128, N = 512)", true);
   }
   // Not for kWeightGrad (its own order). (Held tiles: SideGatherIsBitwiseGatherRows.)
   Mat pa, pb;
@@ -1120,17 +1004,17 @@ TEST_P(GroupedGemm, RowsFirstTilesAreBitwiseTheColumnsFirstOnes) {
   random_pool(pb, I, 2);
   DeviceTensor out;
   cuda::GroupedGemmArgs wg = weight_grad_problem(pa, pb, out);
-  wg.rows_first = true;
+  wg.tile_order = cuda::TileOrder::kRowsFirst;
   const Status st = cuda::launch_grouped_gemm(wg, sms, nullptr);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.message().find("rows_first"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("rows-first"), std::string::npos) << st.to_string();
   MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
 // GroupedGemmArgs::side_combine: a combine in a kWeightGrad launch's idle
 // warps, in two launches splitting the tokens, gives combine_slots' bytes
-// (with a dropped route in every fifth token), in the wide tiles and the CTA
-// pairs, and leaves the GEMM's own output as it was; with a failed plan every
+// (with a dropped route in every fifth token), in the wide tiles and the
+// 128 x 128 ones, and leaves the GEMM's own output as it was; with a failed plan every
 // combined row is NaN and the plan's error is reported.
 TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
   HostTensor ids(DType::kI32, {T, k});
@@ -1151,7 +1035,7 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
   DeviceTensor out;
   const cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
   auto with_side = [&](cuda::GroupedGemmArgs a, int64_t begin, int64_t end) {
-    cuda::GroupedGemmArgs::SideCombine& s = a.side_combine;
+    cuda::SideCombine& s = a.side_combine;
     s.slots = slots.dev.view().data, s.slot_tokens = T;
     s.topk_idx = ids_p, s.tokens = T, s.begin = begin, s.end = end;
     s.top_k = k, s.num_experts = E, s.hidden = H;
@@ -1162,16 +1046,16 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
     MEGAMOE_ASSERT_OK(cuda::combine_slots(slots.dev.view().data, ids_p, T, k, E, H, key_p, errors,
                                           dx.dev.view().data, nullptr));
   };
-  for (const bool pairs : {false, true}) {
-    cuda::GroupedGemmArgs host = g;
-    host.narrow_tiles = pairs, host.pair_ctas = pairs;
-    const char* form = pairs ? " (CTA pairs)" : " (128 x 256 tiles)";
+  for (const bool narrow : {false, true}) {
+    cuda::GemmOverrides o;
+    o.narrow_tiles = narrow;
+    const char* form = narrow ? " (128 x 128 tiles)" : " (128 x 256 tiles)";
     expect_same_bytes({dx.bytes()}, combine, [&] {
-      run(with_side(host, 0, T / 3));
-      run(with_side(host, T / 3, T));
+      run(with_side(g, 0, T / 3), o);
+      run(with_side(g, T / 3, T), o);
     }, (std::string("dx") + form).c_str());
     const Outputs dw = {{out.view().data, static_cast<size_t>(E * H * I * 4)}};
-    expect_same_bytes(dw, [&] { run(host); }, [&] { run(with_side(host, 0, T)); },
+    expect_same_bytes(dw, [&] { run(g, o); }, [&] { run(with_side(g, 0, T), o); },
                       (std::string("dW beside the side job") + form).c_str());
   }
   // Eight routes a token (some dropped) and rows of 45 chunks (lanes idle in
@@ -1188,7 +1072,7 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
     random_mat(slots8, k8 * T8, H8, 1.0, 32);
     dx8.make(T8, H8);
     cuda::GroupedGemmArgs g8 = g;
-    cuda::GroupedGemmArgs::SideCombine& s = g8.side_combine;
+    cuda::SideCombine& s = g8.side_combine;
     s.slots = slots8.dev.view().data, s.slot_tokens = T8;
     s.topk_idx = static_cast<const int32_t*>(d_ids8.view().data), s.tokens = T8, s.begin = 0, s.end = T8;
     s.top_k = k8, s.num_experts = E, s.hidden = H8, s.error_key = key_p, s.out = dx8.dev.view().data;
@@ -1220,21 +1104,21 @@ TEST_P(GroupedGemm, SideCombineIsBitwiseCombineSlots) {
            {"end past tokens", with_side(g, 0, T + 1)}}) {
     const Status r = cuda::launch_grouped_gemm(refused, sms, nullptr);
     EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << what << ": " << r.to_string();
-    EXPECT_NE(r.message().find("side_combine"), std::string::npos) << what << ": " << r.to_string();
+    EXPECT_NE(r.message().find("side combine"), std::string::npos) << what << ": " << r.to_string();
   }
 }
 
 // GroupedGemmArgs::side_gather: a pool gathered by a kGateUpGrad or
 // kWeightGrad launch's idle warps has gather_rows' bytes (padding rows
 // zero, rows past the plan's untouched), and the GEMM's own output is as
-// without it; kGateUp and kDownGrad gathering their own A give the pooled
-// results; kDown, and kGateUp without the holds, refuse it.
+// without it; kGateUp gathering its own A gives the pooled results; kDown,
+// kDownGrad, and kGateUp without the holds, refuse it.
 TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   Mat tok, pool;
   random_mat(tok, T, H, 1.0, 41);
   pool.make(C, H);
   auto with_side = [&](cuda::GroupedGemmArgs a) {
-    cuda::GroupedGemmArgs::SideGather& s = a.side_gather;
+    cuda::SideGather& s = a.side_gather;
     s.src = tok.dev.view().data, s.width = H, s.row_src = plan.row_src, s.top_k = k;
     s.pool_rows = plan.pool_rows, s.pool = pool.dev.view().data;
     return a;
@@ -1280,7 +1164,7 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   }
   // kGateUp gathering its own A, its tiles held on the rows' counts: z and a
   // as from gather_rows' pool (the pool starts as NaN: a tile read before its
-  // rows are in shows), in 128 x 256 and 128 x 128 tiles.
+  // rows are in shows), columns first and rows first.
   DeviceTensor counts(DType::kI32, {C / 128});
   auto* counts_p = static_cast<uint32_t*>(counts.view().data);
   // `pooled` reading a gather_rows pool against the same GEMM gathering its
@@ -1288,10 +1172,10 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   auto expect_own_gather_bitwise = [&](const cuda::GroupedGemmArgs& pooled, Mat& own_pool, const Outputs& outs,
                                        const char* what) {
     cuda::GroupedGemmArgs own = pooled;
-    cuda::GroupedGemmArgs::SideGather& s = own.side_gather;
+    cuda::SideGather& s = own.side_gather;
     s.src = tok.dev.view().data, s.width = H, s.row_src = plan.row_src, s.top_k = k;
     s.pool_rows = plan.pool_rows, s.pool = own_pool.dev.view().data, s.rows_ready = counts_p;
-    own.rows_ready = counts_p, own.ready_value = 128;
+    own.arrival.rows_ready = counts_p, own.arrival.ready_value = 128;
     expect_same_bytes(outs, [&] {
       MEGAMOE_ASSERT_OK(cuda::gather_rows(tok.dev.view().data, H, plan.row_src, k, plan.pool_rows, C,
                                           own_pool.dev.view().data, nullptr));
@@ -1302,7 +1186,7 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
       run(own);
     }, what);
     cuda::GroupedGemmArgs unheld = own;  // the counts without the holds: refused
-    unheld.rows_ready = nullptr;
+    unheld.arrival.rows_ready = nullptr;
     const Status r = cuda::launch_grouped_gemm(unheld, sms, nullptr);
     EXPECT_EQ(r.code(), StatusCode::kInvalidArgument) << what << ": " << r.to_string();
     // More CTAs than the GPU holds at once (as on an MPS share of its SMs):
@@ -1315,27 +1199,23 @@ TEST_P(GroupedGemm, SideGatherIsBitwiseGatherRows) {
   };
   Mat x, w13_up, z, a;
   cuda::GroupedGemmArgs up = gate_up_problem(x, w13_up, z, a);  // x: the pool the gather fills
-  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 256)");
-  up.rows_first = true;  // held tiles walked rows first: an expert's rows still come in pool order
+  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A");
+  up.tile_order = cuda::TileOrder::kRowsFirst;  // held tiles walked rows first: an expert's rows still come in pool order
   expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A, rows first");
-  up.rows_first = false, up.narrow_tiles = true;
-  expect_own_gather_bitwise(up, x, {z.bytes(), a.bytes()}, "kGateUp gathering its own A (128 x 128)");
-  Mat dy, w2g, zg, dz2, wa;  // kDownGrad's dy: dz, w a and the d topk_w partials
+  Mat a2, w2, slots2, dy, w2g, zg, dz2, wa;
   DeviceTensor dw_partial;
-  const cuda::GroupedGemmArgs down_grad = down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial);
-  expect_own_gather_bitwise(down_grad, dy,
-                            {dz2.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}},
-                            "kDownGrad gathering its own A");
-  Mat a2, w2, slots2;
-  const Status st = cuda::launch_grouped_gemm(with_side(down_problem(a2, w2, slots2)), sms, nullptr);
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
-  EXPECT_NE(st.message().find("side_gather"), std::string::npos) << st.to_string();
+  for (const cuda::GroupedGemmArgs& refused :
+       {with_side(down_problem(a2, w2, slots2)), with_side(down_grad_problem(dy, w2g, zg, dz2, wa, dw_partial))}) {
+    const Status st = cuda::launch_grouped_gemm(refused, sms, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("side gather"), std::string::npos) << st.to_string();
+  }
   MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
 }
 
-// bf16 kWeightGrad in 128 x 256 tiles against the CTA pairs and one CTA a
-// tile, N = 256 and 512, into fp32, fp32 += and bf16: every output bit for
-// bit, and the wide result against the CPU.
+// bf16 kWeightGrad in 128 x 256 tiles against 128 x 128 ones, N = 256 and
+// 512, into fp32, fp32 += and bf16: every output bit for bit, and the wide
+// result against the CPU.
 TEST_P(GroupedGemm, WideWeightGradTilesAreBitwiseTheNarrowOnes) {
   Mat pa;
   random_pool(pa, H, 7);
@@ -1344,107 +1224,38 @@ TEST_P(GroupedGemm, WideWeightGradTilesAreBitwiseTheNarrowOnes) {
     random_pool(pb, N, 8);
     DeviceTensor out;
     cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
-    g.n = N, g.b_cols = N;
+    g.n = N, g.b.cols = N;
     for (const int form : {0, 1, 2}) {  // fp32, fp32 +=, bf16
       const DType t = form == 2 ? DType::kBF16 : DType::kF32;
       out = DeviceTensor(t, {E, H, N});
-      g.out0 = out.view().data, g.out_f32 = form < 2, g.accumulate = form == 1;
+      g.out.dw = out.view().data, g.out.dw_f32 = form < 2, g.out.accumulate = form == 1;
       HostTensor start(t, {E, H, N});  // what += adds to
       for (int64_t i = 0; i < E * H * N; ++i) start.set(i, form == 1 ? round_to_bf16(static_cast<float>(uniform_pm1(9, 1, i))) : 0.0);
-      auto run_as = [&](bool wide, bool pairs) {
+      auto run_as = [&](bool wide) {
         if (form == 1) {
           EXPECT_TRUE(out.upload(start).ok());
         } else {
           EXPECT_TRUE(out.fill_bytes(0xFF).ok());
         }
-        g.narrow_tiles = !wide, g.pair_ctas = pairs;
-        run(g);
+        cuda::GemmOverrides o;
+        o.narrow_tiles = !wide;
+        run(g, o);
         HostTensor h(t, {E, H, N});
         EXPECT_TRUE(out.download(&h).ok());
         std::vector<double> v(static_cast<size_t>(E * H * N));
         for (int64_t i = 0; i < E * H * N; ++i) v[i] = h.get(i);
         return v;
       };
-      const auto wide = run_as(true, true), pairs = run_as(false, true), one = run_as(false, false);
-      int64_t differ_pairs = 0, differ_one = 0;
-      for (size_t i = 0; i < wide.size(); ++i) {
-        differ_pairs += std::memcmp(&wide[i], &pairs[i], sizeof(double)) != 0;
-        differ_one += std::memcmp(&wide[i], &one[i], sizeof(double)) != 0;
-      }
-      EXPECT_EQ(differ_pairs, 0) << "elements that differ from the pairs, N = " << N << ", form " << form;
-      EXPECT_EQ(differ_one, 0) << "elements that differ from one CTA a tile, N = " << N << ", form " << form;
+      const auto wide = run_as(true), one = run_as(false);
+      int64_t differ_one = 0;
+      for (size_t i = 0; i < wide.size(); ++i) differ_one += std::memcmp(&wide[i], &one[i], sizeof(double)) != 0;
+      EXPECT_EQ(differ_one, 0) << "elements that differ from the 128 x 128 tiles, N = " << N << ", form " << form;
       // The wide result against the CPU (+=: what it added to start).
       const double tol = form == 2 ? 1e-2 : 1e-4;
       EXPECT_LT(weight_grad_rel_err(pa, pb, N, [&](int64_t i) { return wide[i] - (form == 1 ? start.get(i) : 0.0); }),
                 tol)
           << "N = " << N << ", form " << form;
     }
-  }
-}
-
-// B transposed and K-major (GroupedGemmArgs::b_k_major, the layout FP8 needs)
-// against the default MN-major B: the same products in the same order, so
-// every output must be bitwise the same.
-TEST_P(GroupedGemm, TransposedWeightsAreBitwiseTheMnMajorPath) {
-  auto transposed = [](const Mat& w, int64_t experts, int64_t kdim, int64_t n) {  // [E*k, n] -> [E*n, k]
-    Mat t;
-    t.make(experts * n, kdim);
-    for (int64_t e = 0; e < experts; ++e)
-      for (int64_t r = 0; r < kdim; ++r)
-        for (int64_t c = 0; c < n; ++c) t.host[(e * n + c) * kdim + r] = w.host[(e * kdim + r) * n + c];
-    t.upload();
-    return t;
-  };
-  {  // kGateUpGrad: w13 as [E*2I, H] -> [E*H, 2I]
-    Mat dz, w13, slots, slots_t;
-    random_pool(dz, 2 * I, 5);
-    random_mat(w13, E * 2 * I, H, 1.0 / 16, 6);
-    slots.make(k * T, H), slots_t.make(k * T, H);
-    ASSERT_TRUE(slots.dev.fill_bytes(0).ok() && slots_t.dev.fill_bytes(0xFF).ok());
-    cuda::GroupedGemmArgs g;
-    g.mode = GemmMode::kGateUpGrad, g.plan = plan, g.n = H, g.k = 2 * I, g.intermediate = I;
-    g.a = dz.dev.view().data, g.a_rows = C, g.a_cols = 2 * I;
-    g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-    g.out0 = slots.dev.view().data;
-    run(g);
-    const Mat w13_t = transposed(w13, E, 2 * I, H);
-    g.b = w13_t.dev.view().data, g.b_rows = E * H, g.b_cols = 2 * I, g.b_k_major = true;
-    g.out0 = slots_t.dev.view().data;
-    run(g);
-    // Untouched slots (dropped routes) differ by their fill; compare written rows only.
-    const auto a = slots.download(), b = slots_t.download();
-    int64_t bad = 0;
-    for (int64_t r = 0; r < pool_rows; ++r) {
-      const int src = row_src[r];
-      if (src < 0) continue;
-      const int64_t slot = (src % k) * T + src / k;
-      bad += std::memcmp(&a[slot * H], &b[slot * H], H * sizeof(float)) != 0;
-    }
-    EXPECT_EQ(bad, 0) << "kGateUpGrad slot rows that differ";
-  }
-  {  // kDownGrad: w2 as [E*H, I] -> [E*I, H]
-    Mat dy, w2, z, dz, wa, dz_t, wa_t;
-    DeviceTensor dwp, dwp_t;
-    cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dwp);
-    run(g);
-    const Mat w2_t = transposed(w2, E, H, I);
-    dz_t.make(C, 2 * I), wa_t.make(C, I);
-    dwp_t = DeviceTensor(DType::kF32, {C, I / 128});
-    ASSERT_TRUE(dz_t.dev.fill_bytes(0xFF).ok() && wa_t.dev.fill_bytes(0xFF).ok() && dwp_t.fill_bytes(0xFF).ok());
-    g.b = w2_t.dev.view().data, g.b_rows = E * I, g.b_cols = H, g.b_k_major = true;
-    g.out0 = dz_t.dev.view().data, g.out1 = wa_t.dev.view().data;
-    g.dw_partial = static_cast<float*>(dwp_t.view().data);
-    run(g);
-    // Both runs' outputs start from the same poison: unwritten places match too, bit for bit.
-    auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
-      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
-    };
-    EXPECT_TRUE(same_bits(dz.download(), dz_t.download())) << "kDownGrad dz";
-    EXPECT_TRUE(same_bits(wa.download(), wa_t.download())) << "kDownGrad wa";
-    HostTensor p1(DType::kF32, {C, I / 128}), p2(DType::kF32, {C, I / 128});
-    ASSERT_TRUE(dwp.download(&p1).ok() && dwp_t.download(&p2).ok());
-    const int64_t bad = std::memcmp(p1.view.data, p2.view.data, static_cast<size_t>(C * (I / 128)) * 4) != 0;
-    EXPECT_EQ(bad, 0) << "kDownGrad d topk_w partials";
   }
 }
 
@@ -1551,162 +1362,7 @@ TEST_P(GroupedGemm, DownGradMnMajorFusedEpilogue) {
   if (e_dg.rel > kDzRel) describe_mismatch(dg_g, dg_r, I);
 }
 
-// Pairs of CTAs sharing A by multicast (pair_ctas, the default where the mode
-// uses them and n_tiles is even) against the one-CTA path: the same bits.
-// kWeightGrad pairs; kDown and kDownGrad check that the flag changes nothing
-// where a mode does not.
-TEST_P(GroupedGemm, PairedCtasMatchOneCtaBitwise) {
-  Mat a, w2, slots;
-  cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
-  run(g);
-  const auto paired = slots.download();
-  ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  g.pair_ctas = false;
-  run(g);
-  EXPECT_EQ(slots.download(), paired) << "kDown";
-
-  Mat dy, w2d, z, dz, wa;
-  DeviceTensor dw_partial;
-  cuda::GroupedGemmArgs d = down_grad_problem(dy, w2d, z, dz, wa, dw_partial);
-  run(d);
-  const auto dz1 = dz.download(), wa1 = wa.download();
-  HostTensor dwp1(DType::kF32, {C, I / 128}), dwp2(DType::kF32, {C, I / 128});
-  ASSERT_TRUE(dw_partial.download(&dwp1).ok());
-  ASSERT_TRUE(dz.dev.fill_bytes(0xFF).ok());
-  ASSERT_TRUE(wa.dev.fill_bytes(0xFF).ok());
-  d.pair_ctas = false;
-  run(d);
-  ASSERT_TRUE(dw_partial.download(&dwp2).ok());
-  // The pool's rows in use (those past pool_rows are never written).
-  auto used = [&](const std::vector<float>& v, int64_t cols) {
-    return std::vector<float>(v.begin(), v.begin() + pool_rows * cols);
-  };
-  EXPECT_EQ(used(dz.download(), 2 * I), used(dz1, 2 * I)) << "kDownGrad dz";
-  EXPECT_EQ(used(wa.download(), I), used(wa1, I)) << "kDownGrad wa";
-  int64_t dw_differ = 0;
-  for (int64_t r = 0; r < pool_rows; ++r)
-    for (int64_t n = 0; n < I / 128; ++n) dw_differ += dwp1.get(r * (I / 128) + n) != dwp2.get(r * (I / 128) + n);
-  EXPECT_EQ(dw_differ, 0) << "kDownGrad d topk_w partials";
-
-  DeviceTensor out;
-  cuda::GroupedGemmArgs w = weight_grad_problem(dy, wa, out);
-  w.narrow_tiles = true;  // (the 128 x 256 tiles, the default, replace the pairs)
-  run(w);
-  HostTensor w1(DType::kF32, {E, H, I}), w2h(DType::kF32, {E, H, I});
-  ASSERT_TRUE(out.download(&w1).ok());
-  ASSERT_TRUE(out.fill_bytes(0xFF).ok());
-  w.pair_ctas = false;
-  run(w);
-  ASSERT_TRUE(out.download(&w2h).ok());
-  int64_t w_differ = 0;
-  for (int64_t i = 0; i < E * H * I; ++i) w_differ += w1.get(i) != w2h.get(i);
-  EXPECT_EQ(w_differ, 0) << "kWeightGrad";
-}
-
-// Gathered rows against the pool gather_rows makes: kGateUp's x rows, in the
-// 128 x 256 tiles and the 128 x 128 ones.
-TEST_P(GroupedGemm, GatheredGateUpRowsAreBitwiseThePool) {
-  Mat x, w13, z, a, tok;
-  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  token_rows_and_pool(tok, x, H, 21);  // x: a new buffer
-  g.a = x.dev.view().data;
-  const Outputs outs = {z.bytes(), a.bytes()};
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-  g.narrow_tiles = true;
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, x, outs);
-}
-
-// kDownGrad's dy rows: dz, w a and the d topk_w partials, in 128 x 128
-// tiles, and in 128 x 256 ones (N 512: two column tiles), rows first or not.
-TEST_P(GroupedGemm, GatheredDownGradRowsAreBitwiseThePool) {
-  Mat dy, w2, z, dz, wa, tok;
-  DeviceTensor dw_partial;
-  cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
-  token_rows_and_pool(tok, dy, H, 22);  // dy: a new buffer
-  g.a = dy.dev.view().data;
-  const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok, dy, outs);
-  for (const bool rows_first : {false, true}) {
-    Mat dy2, w2b, zb, dzb, wab, tok2;
-    DeviceTensor partial;
-    cuda::GroupedGemmArgs wide = down_grad_problem(dy2, w2b, zb, dzb, wab, partial, 512);
-    token_rows_and_pool(tok2, dy2, H, 22);
-    wide.a = dy2.dev.view().data;
-    wide.wide_down_grad = true, wide.rows_first = rows_first;
-    SCOPED_TRACE(rows_first ? "128 x 256, rows first" : "128 x 256");
-    const Outputs wide_outs = {dzb.bytes(), wab.bytes(),
-                               {partial.view().data, static_cast<size_t>(C * (512 / 128) * 4)}};
-    expect_gathered_bitwise(wide, cuda::GroupedGemmArgs::Gather::kA, tok2, dy2, wide_outs);
-  }
-}
-
-// kWeightGrad's A rows (dW2's dy) and B rows (dW13's x), each in the 128 x
-// 256 tiles and in 128 x 128 ones (A: one CTA a tile; B: CTA pairs, then
-// one CTA a tile). The other operand's padding rows are nonzero: a gathered
-// padding row that is not zero shows.
-TEST_P(GroupedGemm, GatheredWeightGradRowsAreBitwiseThePool) {
-  Mat pa, pb, tok_a, tok_b, other_a, other_b;
-  token_rows_and_pool(tok_a, pa, H, 23);
-  token_rows_and_pool(tok_b, pb, I, 24);
-  random_mat(other_a, C, H, 1.0, 25);  // every row random, padding included
-  random_mat(other_b, C, I, 1.0, 26);
-  for (const int form : {0, 1, 2}) {  // wide tiles; 128 x 128 in pairs; one CTA a 128 x 128 tile
-    const bool pairs = form == 1, narrow = form > 0;
-    DeviceTensor out_a, out_b;
-    cuda::GroupedGemmArgs g = weight_grad_problem(pa, other_b, out_a);
-    g.pair_ctas = pairs, g.narrow_tiles = narrow;  // (A gathered never pairs)
-    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kA, tok_a, pa,
-                            {{out_a.view().data, static_cast<size_t>(E * H * I * 4)}});
-    g = weight_grad_problem(other_a, pb, out_b);
-    g.pair_ctas = pairs, g.narrow_tiles = narrow;
-    expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_b, pb,
-                            {{out_b.view().data, static_cast<size_t>(E * H * I * 4)}});
-  }
-  // B with N = 512 in the wide tiles: two column tiles, the second reading token columns 256..511.
-  Mat tok_wide, pb_wide;
-  token_rows_and_pool(tok_wide, pb_wide, 512, 27);
-  DeviceTensor out_wide;
-  cuda::GroupedGemmArgs g = weight_grad_problem(other_a, pb_wide, out_wide);
-  out_wide = DeviceTensor(DType::kF32, {E, H, 512});
-  g.n = 512, g.b_cols = 512, g.out0 = out_wide.view().data;
-  expect_gathered_bitwise(g, cuda::GroupedGemmArgs::Gather::kB, tok_wide, pb_wide,
-                          {{out_wide.view().data, static_cast<size_t>(E * H * 512 * 4)}});
-}
-
-// What the gathering kernels do not cover is refused on the host.
-TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
-  Mat x, w13, z, a, tok;
-  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-  token_rows_and_pool(tok, x, H, 21);
-  g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
-  auto expect_refused = [&](cuda::GroupedGemmArgs bad, const char* why) {
-    const Status st = cuda::launch_grouped_gemm(bad, sms, nullptr);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << why << ": " << st.to_string();
-    EXPECT_NE(st.message().find("gathered rows"), std::string::npos) << why << ": " << st.to_string();
-  };
-  cuda::GroupedGemmArgs bad = g;
-  bad.gather = cuda::GroupedGemmArgs::Gather::kB;
-  expect_refused(bad, "B of kGateUp");
-  bad = g, bad.gather_tokens = 0;
-  expect_refused(bad, "no token count");
-  bad = g, bad.gather_tokens = T - 1;
-  expect_refused(bad, "fewer token rows than the plan's tokens");
-  bad = g, bad.k = 2 * H;  // K past the token rows' H columns
-  expect_refused(bad, "more columns than the token matrix has");
-  bad = g, bad.plan.row_src = nullptr;
-  expect_refused(bad, "no row_src");
-  bad = g, bad.fp8 = true;
-  expect_refused(bad, "FP8");
-  Mat dy, w2, zz, dz, wa;
-  DeviceTensor dw_partial;
-  bad = down_grad_problem(dy, w2, zz, dz, wa, dw_partial);
-  bad.gather = cuda::GroupedGemmArgs::Gather::kA, bad.gather_tokens = T, bad.b_k_major = true;
-  bad.b_rows = E * I, bad.b_cols = H;
-  expect_refused(bad, "kDownGrad with B K-major");
-  MEGAMOE_ASSERT_OK(cuda::sync_and_take_device_error(0, nullptr));
-}
-
-// Expert parallelism's ordering contract (GroupedGemmArgs::rows_ready): the x
+// The held rows' ordering contract (GroupedGemmArgs::arrival): the x
 // pool starts as NaN, and a kernel on another stream delivers its row tiles
 // late (0.5 ms apart) and in reverse order, release-storing each tile's
 // counter. kGateUp, launched right after on a stream of its own, must hold
@@ -1715,14 +1371,8 @@ TEST_P(GroupedGemm, GatheredRowsAreRefusedWhereTheyAreNotBuilt) {
 // counters would read NaN rows (its first tiles arrive last).
 TEST_P(GroupedGemm, TilesWaitForTheirRowsToArrive) {
   Mat x, w13, z_ref, a_ref, z, a;
-  random_pool(x, H, 1);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
-  z_ref.make(C, 2 * I), a_ref.make(C, I), z.make(C, 2 * I), a.make(C, I);
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = z_ref.dev.view().data, g.out1 = a_ref.dev.view().data;
+  z.make(C, 2 * I), a.make(C, I);
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z_ref, a_ref);
   run(g);
 
   const int tiles = static_cast<int>(pool_rows / 128);
@@ -1740,9 +1390,9 @@ TEST_P(GroupedGemm, TilesWaitForTheirRowsToArrive) {
   ASSERT_EQ(launch_row_release(x.dev.view().data, late.view().data, H, static_cast<const int32_t*>(order.view().data),
                                tiles, ready, 1u, 500'000, deliver),
             cudaSuccess);
-  g.a = late.view().data;
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
-  g.rows_ready = ready, g.ready_value = 1u;
+  g.a.data = late.view().data;
+  g.out.z = z.dev.view().data, g.out.a = a.dev.view().data;
+  g.arrival.rows_ready = ready, g.arrival.ready_value = 1u;
   g.errors = errors;
   ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, compute).ok());
   const Status st = cuda::sync_and_take_device_error(0, compute);
@@ -1761,20 +1411,13 @@ TEST_P(GroupedGemm, TilesWaitForTheirRowsToArrive) {
 // kernel and the pool tile, and the context stays usable.
 TEST_P(GroupedGemm, RowsThatNeverArriveTimeOutNamingTheTile) {
   Mat x, w13, z, a;
-  random_pool(x, H, 1);
-  random_mat(w13, E * 2 * I, H, 1.0 / 16, 2);
-  z.make(C, 2 * I), a.make(C, I);
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
   const int tiles = static_cast<int>(pool_rows / 128), missing = tiles / 2;
   HostTensor ready_host(DType::kI32, {C / 128});
   for (int m = 0; m < C / 128; ++m) ready_host.set(m, m == missing ? 6 : 7);
   DeviceTensor counters(DType::kI32, {C / 128});
   ASSERT_TRUE(counters.upload(ready_host).ok());
-  cuda::GroupedGemmArgs g;
-  g.mode = GemmMode::kGateUp, g.plan = plan, g.n = I, g.k = H, g.intermediate = I;
-  g.a = x.dev.view().data, g.a_rows = C, g.a_cols = H;
-  g.b = w13.dev.view().data, g.b_rows = E * 2 * I, g.b_cols = H;
-  g.out0 = z.dev.view().data, g.out1 = a.dev.view().data;
-  g.rows_ready = static_cast<const uint32_t*>(counters.view().data), g.ready_value = 7u;
+  g.arrival.rows_ready = static_cast<const uint32_t*>(counters.view().data), g.arrival.ready_value = 7u;
   g.errors = errors;
   g.errors.timeout_ns = under_cuda_tool() ? 5'000'000'000ull : 50'000'000ull;
   ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr).ok());
@@ -1782,37 +1425,40 @@ TEST_P(GroupedGemm, RowsThatNeverArriveTimeOutNamingTheTile) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
   for (const std::string& want : std::vector<std::string>{
-           "grouped GEMM kGateUp,", "the rows of pool tile " + std::to_string(missing) + " never arrived", "gave up"})
+           "grouped GEMM kGateUp (128 x 256 tiles),", "the rows of pool tile " + std::to_string(missing) + " never arrived",
+           "gave up"})
     EXPECT_NE(st.message().find(want), std::string::npos) << "missing \"" << want << "\" in: " << st.message();
-  g.rows_ready = nullptr;
+  g.arrival.rows_ready = nullptr;
   g.errors = errors;
   run(g);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
 
-  // Counters hold pool tiles of the M-grouped modes; kWeightGrad is refused on the host.
+  // Held rows are bf16 kGateUp's; kWeightGrad is refused on the host.
   cuda::GroupedGemmArgs w;
   w.mode = GemmMode::kWeightGrad, w.plan = plan, w.m = H, w.n = I, w.k = 64;
-  w.rows_ready = static_cast<const uint32_t*>(counters.view().data);
+  w.arrival.rows_ready = static_cast<const uint32_t*>(counters.view().data);
   const Status refused = cuda::launch_grouped_gemm(w, sms, nullptr);
   EXPECT_FALSE(refused.ok());
-  EXPECT_NE(refused.message().find("rows_ready"), std::string::npos) << refused.to_string();
+  EXPECT_NE(refused.message().find("held rows"), std::string::npos) << refused.to_string();
 }
 
-// A producer that stops issuing loads (debug_stall_at) leaves a consumer
-// waiting on a full barrier that never completes. The wait gives up after
-// errors.timeout_ns, reports kernel, block, barrier and phase (the stage
-// iteration), and the kernel exits: no trap, the stream synchronises. `g`
-// runs with the stall, then (by the caller) again without it on the same context.
+// A producer that stops issuing loads (GemmOverrides::stall_at) leaves a
+// consumer waiting on a full barrier that never completes. The wait gives up
+// after errors.timeout_ns, reports kernel, block, barrier and phase (the
+// stage iteration), and the kernel exits: no trap, the stream synchronises.
+// `g` runs with the stall, then (by the caller) again without it on the same
+// context. `narrow`: in 128 x 128 tiles.
 void expect_stall_reported(cuda::GroupedGemmArgs g, const cuda::DeviceErrorSink& errors, int sms, int64_t stall,
-                           const std::vector<std::string>& want) {
+                           const std::vector<std::string>& want, bool narrow = false) {
   // 50 ms; 5 s under compute-sanitizer, where the first loads alone can take
   // longer than 50 ms.
   const bool slow = under_cuda_tool();
   g.errors = errors;
   g.errors.timeout_ns = slow ? 5'000'000'000ull : 50'000'000ull;
-  g.debug_stall_at = stall;
+  cuda::GemmOverrides o;
+  o.stall_at = stall, o.narrow_tiles = narrow;
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr).ok());
+  ASSERT_TRUE(cuda::launch_grouped_gemm(g, sms, nullptr, o).ok());
   const Status st = cuda::sync_and_take_device_error(0, nullptr);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // no trap, no sticky error
@@ -1828,16 +1474,17 @@ void expect_stall_reported(cuda::GroupedGemmArgs g, const cuda::DeviceErrorSink&
 TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
-  g.narrow_tiles = true;  // the ping-pong consumers (the wide tiles: the next test)
   const int64_t stall = stall_iteration(pool_rows / 128 * (H / 128), I / 64);
   ASSERT_GE(stall, 0);
+  // The ping-pong consumers (128 x 128 tiles; the wide tiles: the next tests).
   expect_stall_reported(g, errors, sms, stall,
                         {"grouped GEMM kDown,", "block ", "full barrier", "phase " + std::to_string(stall) + " ",
-                         "gave up"});
+                         "gave up"},
+                        true);
 
   // The context is still usable: the same problem, no stall, is right and reports nothing.
   g.errors = errors;
-  run(g);
+  run_narrow(g);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const auto ref = pool_gemm(a, I, H, row_src, tile_expert, pool_rows,
                              [&](int e, int64_t kk, int64_t n) { return w2.host[(e * H + n) * I + kk]; });
@@ -1846,30 +1493,25 @@ TEST_P(GroupedGemm, StalledPipelineTimesOutAndReports) {
 
 // The same for wide kGateUp tiles (both consumers on every stage): the
 // producer stops, both consumers' full waits give up, one reports, naming
-// the wide kernel (so this test also shows that the wide tiles ran). Then
-// the same call without the stall equals the narrow tiles bit for bit. Also
-// with gathered rows (GroupedGemmArgs::gather: all 128 producer threads,
-// leaving together), against the narrow tiles on the pool.
+// the wide kernel. Then the same call without the stall equals, bit for
+// bit, a run before the stall.
 TEST_P(GroupedGemm, StalledWideGateUpTimesOutAndReports) {
-  for (const bool gathered : {false, true}) {
-    Mat x, w13, z, a, tok;
-    cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
-    if (gathered) {  // x becomes the pool of tok's rows (a new buffer)
-      token_rows_and_pool(tok, x, H, 21);
-      g.a = x.dev.view().data;
-    }
-    cuda::GroupedGemmArgs narrow = g;
-    narrow.narrow_tiles = true;
-    if (gathered) g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
-    const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
-    ASSERT_GE(stall, 0);
-    expect_stall_reported(g, errors, sms, stall,
-                          {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
-                           "phase " + std::to_string(stall) + " ", "gave up"});
-    g.errors = errors;
-    expect_same_bytes({z.bytes(), a.bytes()},
-                      [&] { run(g); }, [&] { run(narrow); }, gathered ? "(gathered, after a stall)" : "(after a stall)");
-  }
+  Mat x, w13, z, a;
+  cuda::GroupedGemmArgs g = gate_up_problem(x, w13, z, a);
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
+  run(g);
+  const std::vector<float> z_before = z.download(), a_before = a.download();
+  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
+  ASSERT_GE(stall, 0);
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kGateUp (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  ASSERT_TRUE(z.dev.fill_bytes(0xFF).ok() && a.dev.fill_bytes(0xFF).ok());
+  g.errors = errors;
+  run(g);
+  const std::vector<float> z_after = z.download(), a_after = a.download();
+  EXPECT_EQ(std::memcmp(z_after.data(), z_before.data(), z_before.size() * sizeof(float)), 0) << "z after a stall";
+  EXPECT_EQ(std::memcmp(a_after.data(), a_before.data(), a_before.size() * sizeof(float)), 0) << "a after a stall";
 }
 
 // The same for wide kDown tiles; the report names the wide kernel, and the
@@ -1888,19 +1530,16 @@ TEST_P(GroupedGemm, StalledWideDownTimesOutAndReports) {
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const auto wide = slots.download();
   ASSERT_TRUE(slots.dev.fill_bytes(0xFF).ok());
-  g.narrow_tiles = true;
-  run(g);
+  run_narrow(g);
   EXPECT_EQ(std::memcmp(slots.download().data(), wide.data(), wide.size() * sizeof(float)), 0);
 }
 
-// The same for wide kGateUpGrad tiles (the default): the
-// report names the wide kernel (so the bitwise test above ran it); then the
-// call without the stall equals the narrow tiles' slots bit for bit.
+// The same for wide kGateUpGrad tiles (the default): the report names the
+// wide kernel; then the call without the stall equals the narrow tiles'
+// slots bit for bit.
 TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
   Mat dz, w13, slots;
   cuda::GroupedGemmArgs g = gate_up_grad_problem(dz, w13, slots, H);
-  cuda::GroupedGemmArgs narrow = g;
-  narrow.narrow_tiles = true;
   const int64_t stall = stall_iteration(pool_rows / 128 * (H / 256), 2 * I / 64);
   ASSERT_GE(stall, 0);
   expect_stall_reported(g, errors, sms, stall,
@@ -1908,63 +1547,48 @@ TEST_P(GroupedGemm, StalledWideGateUpGradTimesOutAndReports) {
                          "phase " + std::to_string(stall) + " ", "gave up"});
   g.errors = errors;
   expect_same_bytes({slots.bytes()}, [&] { run(g); },
-                    [&] { run(narrow); }, "in the dx slots after a stall");
+                    [&] { run_narrow(g); }, "in the dx slots after a stall");
 }
 
-// The same for wide kWeightGrad tiles, pooled, A's rows gathered and B's:
-// the report names the wide kernel (so this test also shows that the wide
-// tiles ran, gathering too); then the call without the stall equals the
-// pairs bit for bit.
+// The same for wide kWeightGrad tiles: the report names the wide kernel;
+// then the call without the stall equals the 128 x 128 tiles bit for bit.
 TEST_P(GroupedGemm, StalledWideWeightGradTimesOutAndReports) {
-  Mat pa, pb, tok, tok_b;
-  token_rows_and_pool(tok, pa, H, 7);  // pa: the pool of tok's rows
-  token_rows_and_pool(tok_b, pb, I, 8);
+  Mat pa, pb;
+  random_pool(pa, H, 7);
+  random_pool(pb, I, 8);
   DeviceTensor out;
   cuda::GroupedGemmArgs g = weight_grad_problem(pa, pb, out);
-  cuda::GroupedGemmArgs pairs = g;
-  pairs.narrow_tiles = true;
   // CTA 0's stage iterations: its tiles t = 0, sms, ... (two a expert: H / 128 row tiles, one 256-column tile).
   int64_t cta0 = 0;
   for (int64_t t = 0; t < E * (H / 128); t += sms) cta0 += (rows[t / (H / 128)] + 63) / 64;
   const int64_t stall = std::min<int64_t>(9, cta0 - 1);
   ASSERT_GE(stall, 0);
-  for (const int gathered : {0, 1, 2}) {  // none, A, B
-    cuda::GroupedGemmArgs s = g;
-    if (gathered == 1) s.a = tok.dev.view().data, s.gather = cuda::GroupedGemmArgs::Gather::kA, s.gather_tokens = T;
-    if (gathered == 2) s.b = tok_b.dev.view().data, s.gather = cuda::GroupedGemmArgs::Gather::kB, s.gather_tokens = T;
-    expect_stall_reported(s, errors, sms, stall,
-                          {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
-                           "phase " + std::to_string(stall) + " ", "gave up"});
-    s.errors = errors;
-    expect_same_bytes({{out.view().data, static_cast<size_t>(E * H * I * 4)}}, [&] { run(s); }, [&] { run(pairs); },
-                      gathered == 0 ? "in dW after a stall" : gathered == 1 ? "in dW after a stall (A gathered)"
-                                                                             : "in dW after a stall (B gathered)");
-  }
+  expect_stall_reported(g, errors, sms, stall,
+                        {"grouped GEMM kWeightGrad (128 x 256 tiles),", "block ", "full barrier",
+                         "phase " + std::to_string(stall) + " ", "gave up"});
+  g.errors = errors;
+  expect_same_bytes({{out.view().data, static_cast<size_t>(E * H * I * 4)}}, [&] { run(g); },
+                    [&] { run_narrow(g); }, "in dW after a stall");
 }
 
-// The same for wide kDownGrad tiles (wide_down_grad), pooled and gathered
-// rows: the report names the wide kernel; then the call without the stall
-// equals the narrow tiles' dz, w a and partials bit for bit.
-TEST_P(GroupedGemm, StalledWideDownGradTimesOutAndReports) {
-  Mat dy, w2, z, dz, wa, tok;
+// The same for kDownGrad (its z chunks load beside the ring): the report
+// names it; then the call without the stall equals a run before the stall in
+// dz, w a and the partials, bit for bit.
+TEST_P(GroupedGemm, StalledDownGradTimesOutAndReports) {
+  Mat dy, w2, z, dz, wa;
   DeviceTensor dw_partial;
-  cuda::GroupedGemmArgs narrow = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
-  token_rows_and_pool(tok, dy, H, 22);
-  narrow.a = dy.dev.view().data;
+  cuda::GroupedGemmArgs g = down_grad_problem(dy, w2, z, dz, wa, dw_partial);
   const Outputs outs = {dz.bytes(), wa.bytes(), {dw_partial.view().data, static_cast<size_t>(C * (I / 128) * 4)}};
-  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 256), H / 64);
+  const int64_t stall = stall_iteration(pool_rows / 128 * (I / 128), H / 64);
   ASSERT_GE(stall, 0);
-  for (const bool gathered : {false, true}) {
-    cuda::GroupedGemmArgs g = narrow;
-    g.wide_down_grad = true;
-    if (gathered) g.a = tok.dev.view().data, g.gather = cuda::GroupedGemmArgs::Gather::kA, g.gather_tokens = T;
+  auto stalled_then_run = [&] {
     expect_stall_reported(g, errors, sms, stall,
-                          {"grouped GEMM kDownGrad (128 x 256 tiles),", "block ", "full barrier",
-                           "phase " + std::to_string(stall) + " ", "gave up"});
+                          {"grouped GEMM kDownGrad,", "block ", "full barrier", "gave up"});
+    for (const auto& o : outs) EXPECT_EQ(cudaMemset(o.first, 0xFF, o.second), cudaSuccess);
     g.errors = errors;
-    expect_same_bytes(outs, [&] { run(g); }, [&] { run(narrow); },
-                      gathered ? "(gathered, after a stall)" : "(after a stall)");
-  }
+    run(g);
+  };
+  expect_same_bytes(outs, [&] { run(g); }, stalled_then_run, "(after a stall)");
 }
 
 // The same on split rings (the FP8 kernels: a ring per consumer, a producer
@@ -1975,9 +1599,9 @@ TEST_P(GroupedGemm, StalledFp8PipelineTimesOutAndReports) {
   Mat a, w2, slots;
   cuda::GroupedGemmArgs g = down_problem(a, w2, slots);
   const Fp8Operand qa = quantize_fp8(a, 0), qw = quantize_fp8(w2, H);
-  g.fp8 = true;
-  g.a = qa.q.view().data, g.a_scales = static_cast<const float*>(qa.s.view().data);
-  g.b = qw.q.view().data, g.b_scales = static_cast<const float*>(qw.s.view().data);
+  g.elem = cuda::ElemType::kE4M3;
+  g.a.data = qa.q.view().data, g.a.scales = static_cast<const float*>(qa.s.view().data);
+  g.b.data = qw.q.view().data, g.b.scales = static_cast<const float*>(qw.s.view().data);
   // Ring 0 of CTA 0 serves its even tiles: stall where it still has loads.
   const int64_t tiles = pool_rows / 128 * (H / 128), k_blocks = I / 128;
   const int64_t ring0_iterations = ((tiles + sms - 1) / sms + 1) / 2 * k_blocks;

@@ -1,4 +1,4 @@
-// The layer's memory-bound kernels (cuda/moe/layer_kernels.h) against host
+// The layer's memory-bound kernels (cuda/layer/layer_kernels.h) against host
 // sums, at shapes their unit walks must get right: rows of 300 chunks (a
 // second 256-chunk segment, mostly idle), pool rows not a multiple of the
 // gather's 4-row group, padding rows, dropped routes, and k = 11 (a second
@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/moe/layer_kernels.h"
+#include "cuda/layer/layer_kernels.h"
 #include "gpu_test_util.h"
 #include "reference/numerics.h"
 

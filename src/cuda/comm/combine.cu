@@ -6,7 +6,7 @@
 
 #include "cuda/comm/peer_ops.cuh"
 #include "cuda/common/cuda_status.h"
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 
 namespace megamoe::cuda {
 namespace {

@@ -24,7 +24,6 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
     const int owner = e >= 0 ? e / a.experts_per_rank : -1;
     const uint32_t mine = owner >= 0 && owner < v.world ? 1u << owner : 0u;
     uint32_t ranks = __reduce_or_sync(0xFFFFFFFFu, mine) & ~(1u << v.rank);
-    if (!a.rows_to_peers) ranks = 0;
     if (a.own_slot) ranks |= 1u << v.rank;  // v.peers[v.rank] is this rank's own buffer
     // Every other rank gets the token's routing, wherever its row goes.
     if (lane < k)
@@ -49,8 +48,7 @@ __global__ void push_rows_kernel(PeerView v, DispatchLayout layout, DispatchArgs
   for (int d = 0; d < v.world; ++d) {
     if (d == v.rank) continue;
     char* peer = static_cast<char*>(v.peers[d]);
-    reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] =
-        static_cast<uint32_t>(a.tokens) | (a.rows_to_peers ? 0u : DispatchLayout::kRowsPulledBit);
+    reinterpret_cast<uint32_t*>(peer + DispatchLayout::kTokensOffset)[v.rank] = static_cast<uint32_t>(a.tokens);
     comm::store_release_sys(reinterpret_cast<uint32_t*>(peer) + v.rank, a.epoch);
   }
 }

@@ -1,8 +1,7 @@
 // Expert-parallel dispatch, the push half (docs/ep-design.md): each source
 // rank sends every token row once to each other rank that hosts at least one
-// of the token's experts, into that rank's receive area at slot [source][token]
-// (or, rows_to_peers false, to no one: the owners pull them from its own
-// slots). It also sends every rank the routing of all its tokens (their k
+// of the token's experts, into that rank's receive area at slot [source][token].
+// It also sends every rank the routing of all its tokens (their k
 // expert ids and its token count): from that each owner builds its plan on
 // the device, with no host in between. Once everything for a rank is written
 // it stores the call's epoch into that rank's flag [source] (release, system
@@ -14,9 +13,7 @@
 //   byte 0                  flags u32 [world]: flag[s] = epoch of the last call
 //                           whose data from rank s has all landed here
 //   byte 64                 combine flags u32 [world] (cuda/comm/combine.h)
-//   byte 128                tokens u32 [world]: rank s's token count in that call,
-//                           bit 31 set when its rows stay in its own slots
-//                           for the owners to pull (DispatchArgs::rows_to_peers false)
+//   byte 128                tokens u32 [world]: rank s's token count in that call
 //   byte kRecvOffset (256)  recv bf16 [world][max_tokens][hidden]: slot [s][t] =
 //                           token t of rank s (written only where it must go);
 //                           in an FP8 forward, the slot's first
@@ -60,7 +57,6 @@ namespace megamoe::cuda {
 
 struct DispatchLayout {
   static constexpr size_t kTokensOffset = 128, kRecvOffset = 256;
-  static constexpr uint32_t kRowsPulledBit = 1u << 31;  // in a token count word: the owners pull the rows
   int world = 1;
   int64_t max_tokens = 0, hidden = 0;
   int top_k = 0;
@@ -98,7 +94,7 @@ struct DispatchLayout {
 
 // The push does not wait for the receivers to be done with the slots, ids,
 // weights and count of the previous call before it overwrites them: its
-// caller orders that. The EP layer (cuda/moe/ep_layer.h) does so by
+// caller orders that. The EP layer (cuda/layer/ep_layer.h) does so by
 // construction: a rank sends call N + 1 only after its combine of call N has
 // seen every owner's return flag, which each owner raises after its last
 // read of call N's data.
@@ -112,10 +108,6 @@ struct DispatchArgs {
   // rank's own slot [rank][t]: a local write beside the push, which reads the
   // row anyway.
   bool own_slot = false;
-  // false: no row goes to another rank (only the routing, weights and counts,
-  // and own_slot's copy): the owners pull the rows from this rank's own slots
-  // themselves (EpGroup::pull_rows).
-  bool rows_to_peers = true;
   const int32_t* topk_idx = nullptr;  // [tokens, layout.top_k] global expert ids, -1 = no route
   const float* topk_weights = nullptr;  // [tokens, layout.top_k] or null: sent to every rank, this one too
   int64_t tokens = 0;

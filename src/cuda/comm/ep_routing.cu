@@ -30,12 +30,7 @@ __global__ void source_counts_kernel(DispatchLayout layout, EpRoutingArgs a) {
     uint32_t sleep_ns = 32;
     for (n = -1;;) {
       if (load_acquire_sys(flag) >= a.epoch) {
-        const uint32_t word = reinterpret_cast<const uint32_t*>(base + DispatchLayout::kTokensOffset)[s];
-        n = word & ~DispatchLayout::kRowsPulledBit;
-        if (((word & DispatchLayout::kRowsPulledBit) != 0) != a.rows_pulled) {  // its rows are not where we look
-          report_peer_mode(a.errors, kKernelEpRouting, static_cast<uint32_t>(s));
-          n = -1;
-        }
+        n = reinterpret_cast<const uint32_t*>(base + DispatchLayout::kTokensOffset)[s];
         break;
       }
       const uint64_t waited = global_timer_ns() - start;
@@ -86,7 +81,7 @@ __device__ __forceinline__ RowOrigin row_origin(const DispatchLayout& layout, in
 
 __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer, int rank, const uint4* own_x,
                                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity,
-                                      const int64_t* source_counts, void* const* peers, uint4* pool) {
+                                      const int64_t* source_counts, uint4* pool) {
   const int64_t chunks = layout.slot_bytes() / 16;
   const int64_t rows = *pool_rows < capacity ? *pool_rows : capacity;
   const int64_t total = rows * chunks;
@@ -100,10 +95,8 @@ __global__ void gather_ep_rows_kernel(DispatchLayout layout, const char* buffer,
       if (o.missing) {
         value = make_uint4(~0u, ~0u, ~0u, ~0u);  // NaN: that source did not deliver this row this time
       } else {
-        // (with peers: source s's own slot [s][t], at the same offset in its buffer)
-        const char* from = peers != nullptr ? static_cast<const char*>(peers[o.s]) : buffer;
         value = o.s == rank ? own_x[o.t * chunks + c]
-                            : reinterpret_cast<const uint4*>(from + layout.slot_offset(o.s, o.t))[c];
+                            : reinterpret_cast<const uint4*>(buffer + layout.slot_offset(o.s, o.t))[c];
       }
     }
     pool[i] = value;
@@ -160,7 +153,7 @@ Status gather_ep_rows_e4m3(const DispatchLayout& layout, const void* buffer, con
 
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
-                      cudaStream_t stream, const int64_t* source_counts, void* const* peers) {
+                      cudaStream_t stream, const int64_t* source_counts) {
   if (layout.slot_bytes() % 16 != 0 || layout.top_k < 1)
     return invalid_argument("EP gather: hidden must be a multiple of 8 and top_k >= 1");
   // own_x may be null on a rank without tokens: no pool row then comes from it.
@@ -173,7 +166,7 @@ Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 4096));
   gather_ep_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       layout, static_cast<const char*>(buffer), rank, static_cast<const uint4*>(own_x), row_src, pool_rows, capacity,
-      source_counts, peers, static_cast<uint4*>(pool));
+      source_counts, static_cast<uint4*>(pool));
   return cuda_status("EP gather", cudaGetLastError());
 }
 

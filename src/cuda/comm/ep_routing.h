@@ -1,7 +1,7 @@
 // Expert parallelism, the owner's side of the routing: from the routing every
 // source rank delivered with its dispatch (cuda/comm/dispatch.h) and this
 // rank's own, the "virtual token list" that lets the one-GPU routing plan
-// (cuda/moe/device_plan.h) build this rank's pool as docs/routing-plan.md
+// (cuda/plan/device_plan.h) build this rank's pool as docs/routing-plan.md
 // orders it.
 //
 // Virtual token v = s * max_tokens + t is token t of source rank s (tokens
@@ -15,8 +15,7 @@
 // First one thread per source waits (bounded by errors.timeout_ns;
 // system-scope acquire, with backoff) for that source's flag to reach `epoch`
 // and records its token count, or -1 for a source that never came (reported:
-// kBarrierPeer, naming the rank) or sent its rows another way than
-// rows_pulled says (reported: kDeviceErrorPeerMode). Then the list is filled from those counts,
+// kBarrierPeer, naming the rank). Then the list is filled from those counts,
 // with no further waiting: one decision per source. A missing source's
 // virtual tokens are empty. No host synchronisation. Sizes stay within int32
 // (row_src = v * k + j is int32 in the plan).
@@ -40,7 +39,6 @@ struct EpRoutingArgs {
   int experts_per_rank = 0;
   uint32_t epoch = 0;
   DeviceErrorSink errors;
-  bool rows_pulled = false;           // what every source's send must say (EpGroup::pull_rows; backward: false)
   int64_t* source_counts = nullptr;   // scratch [world] on the device
   int32_t* virtual_idx = nullptr;     // out: [world * max_tokens, top_k] local ids or -1
 };
@@ -55,15 +53,12 @@ Status build_ep_virtual_routing(const DispatchLayout& layout, const EpRoutingArg
 // after build_ep_virtual_routing and the plan, on the same stream. With
 // source_counts (this epoch's, from build_ep_virtual_routing), a row of a token
 // its source did not deliver this time (count -1, or t past it: a plan kept
-// from an earlier epoch) is NaN, never the stale slot. (The bf16 forward's
-// kGateUp gathers its rows itself, in its side jobs: this copy serves the
-// backward, a forward without side jobs, and one whose cooperative launch
-// was refused.) With peers
-// (the group's buffers, EpGroup::pull_rows), another rank's row is read from
-// that rank's own slot [s][t] over NVLink instead of this rank's receive area.
+// from an earlier epoch) is NaN, never the stale slot. (The backward's
+// owners pool dy and x with it; the forward's pool comes from the receive
+// area as a token matrix, the layer's gate/up step.)
 Status gather_ep_rows(const DispatchLayout& layout, const void* buffer, int rank, const void* own_x,
                       const int32_t* row_src, const int32_t* pool_rows, int64_t capacity, void* pool,
-                      cudaStream_t stream, const int64_t* source_counts = nullptr, void* const* peers = nullptr);
+                      cudaStream_t stream, const int64_t* source_counts = nullptr);
 
 // The FP8 forward's form: the pool's e4m3 rows q [capacity, hidden] and
 // their row scales [capacity, hidden / 128] from the slots' e4m3 form

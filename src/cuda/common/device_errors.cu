@@ -6,7 +6,7 @@
 #include <mutex>
 #include <string>
 
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -18,8 +18,7 @@ const char* kernel_name(uint32_t k) {
                                                    "grouped GEMM kGateUp (128 x 256 tiles)",
                                                    "grouped GEMM kDown (128 x 256 tiles)",
                                                    "grouped GEMM kGateUpGrad (128 x 256 tiles)",
-                                                   "grouped GEMM kWeightGrad (128 x 256 tiles)",
-                                                   "grouped GEMM kDownGrad (128 x 256 tiles)"};
+                                                   "grouped GEMM kWeightGrad (128 x 256 tiles)"};
   return k < kKernelCount ? kNames[k] : "unknown kernel";
 }
 
@@ -73,18 +72,13 @@ Status describe(const DeviceErrorReport& r, int device) {
   if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierRows) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) +
                          ": the rows of pool tile " + std::to_string(r.phase) +
-                         " never arrived (rows_ready): the wait gave up after " + std::to_string(r.waited_ns / 1000000) +
+                         " never arrived (held rows): the wait gave up after " + std::to_string(r.waited_ns / 1000000) +
                          " ms" + on + "; the kernel exited, its outputs are undefined)");
   }
   if (r.kind == kDeviceErrorTimeout && r.barrier == kBarrierPeer) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ": rank " + std::to_string(r.phase) +
                          " never delivered its part (is it in the call?): the wait gave up after " +
                          std::to_string(r.waited_ns / 1000000) + " ms" + on + "; its outputs are undefined)");
-  }
-  if (r.kind == kDeviceErrorPeerMode) {
-    return invalid_argument(std::string(kernel_name(r.kernel)) + ": rank " + std::to_string(r.phase) +
-                            " sent its rows another way than this rank expects (EpGroup::pull_rows must be the "
-                            "same on every rank): its tokens were left out" + on + "; its outputs are undefined)");
   }
   if (r.kind == kDeviceErrorTimeout) {
     return timeout_error(std::string(kernel_name(r.kernel)) + ", block " + std::to_string(r.block) + ": the wait on " +

@@ -23,15 +23,7 @@
 
 namespace megamoe::cuda {
 
-// kDeviceErrorPeerMode: an expert-parallel rank sent its rows another way
-// than this one expects (EpGroup::pull_rows differs between ranks); its
-// phase is that rank.
-enum DeviceErrorKind : uint32_t {
-  kDeviceErrorNone = 0,
-  kDeviceErrorRouting = 1,
-  kDeviceErrorTimeout = 2,
-  kDeviceErrorPeerMode = 3
-};
+enum DeviceErrorKind : uint32_t { kDeviceErrorNone = 0, kDeviceErrorRouting = 1, kDeviceErrorTimeout = 2 };
 
 // Which kernel reported (names in device_errors.cu).
 enum KernelId : uint32_t {
@@ -43,17 +35,16 @@ enum KernelId : uint32_t {
   kKernelGemmWeightGrad,
   kKernelEpRouting,
   kKernelEpCombine,
-  kKernelGemmGateUpWide,  // kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide)
+  kKernelGemmGateUpWide,  // kGateUp in 128 x 256 tiles
   kKernelGemmDownWide,    // kDown in 128 x 256 tiles
   kKernelGemmGateUpGradWide,   // kGateUpGrad in 128 x 256 tiles
   kKernelGemmWeightGradWide,   // kWeightGrad in 128 x 256 tiles
-  kKernelGemmDownGradWide,     // kDownGrad in 128 x 256 tiles
   kKernelCount,
 };
 
 // Which barrier a timed-out wait was on (names in device_errors.cu).
 // kBarrierRows: a grouped GEMM waiting for a pool tile's rows to arrive
-// (GroupedGemmArgs::rows_ready); its phase is the pool tile.
+// (GroupedGemmArgs::arrival); its phase is the pool tile.
 // kBarrierPeer: a rank waiting for another rank's dispatch (expert
 // parallelism); its phase is the rank that never arrived.
 enum BarrierId : uint32_t {
@@ -110,15 +101,6 @@ __device__ __forceinline__ void report_timeout(const DeviceErrorSink& sink, uint
   r->phase = phase;
   r->waited_ns = waited_ns;
   publish_report(r, kDeviceErrorTimeout);
-}
-
-__device__ __forceinline__ void report_peer_mode(const DeviceErrorSink& sink, uint32_t kernel, uint32_t rank) {
-  if (!claim_report(sink)) return;
-  DeviceErrorReport* r = sink.report;
-  r->kernel = kernel;
-  r->block = blockIdx.x;
-  r->phase = rank;
-  publish_report(r, kDeviceErrorPeerMode);
 }
 
 __device__ __forceinline__ void report_routing(const DeviceErrorSink& sink, uint64_t key, int64_t value,

@@ -47,7 +47,7 @@ Status quantize_e4m3_rows(const void* x, int64_t rows, int64_t cols, Fp8Scale sc
                           cudaStream_t stream, RowScales layout = RowScales::kByRow,
                           const int32_t* used_rows = nullptr);
 
-// The row quantizer fused with the pool gather (cuda/moe/layer_kernels.h
+// The row quantizer fused with the pool gather (cuda/layer/layer_kernels.h
 // gather_rows): pool row r < *pool_rows is src row row_src[r] / top_k, zeros
 // where row_src[r] < 0; q [capacity, cols], scales [capacity, cols / 128] for
 // those rows, bitwise what quantize_e4m3_rows makes of the gathered pool;
@@ -66,7 +66,7 @@ Status gather_quantize_e4m3_rows(const void* src, int64_t cols, const int32_t* r
 // get an all-zero tile's codes and scales (and zeros in pool). With the
 // device plan's route_row and row_src, inverse maps (row_src[route_row[i]]
 // == i for every route i with a row, and route_row[row_src[r]] == r for
-// every used row r with a route: cuda/moe/device_plan.cu writes both
+// every used row r with a route: cuda/layer/device_plan.cu writes both
 // together), bitwise what gather_quantize_e4m3_rows writes, reading each
 // token row once instead of top_k times; a used row with a route that does
 // not point back to it would keep its old bytes. Two launches.

@@ -1,16 +1,19 @@
 // Pipeline state and barriers of the grouped GEMM engine, as types: the ring
 // of shared-memory stages (full / empty mbarriers), the running position in
 // it, the consumers' ordering barriers, and the bounded wait every one of
-// them goes through. Device code only; included by grouped_gemm.cu.
+// them goes through. Device code only; included by kernel.cuh.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/common/device_errors.h"
+#include "cuda/gemm/kernel_spec.h"
 #include "cuda/gemm/pipeline_state.h"
 #include "cuda/ptx/sm90.cuh"
 
 namespace megamoe::cuda::engine {
+
+using namespace ptx;  // the engine's device code calls the PTX wrappers unqualified
 
 // ---- bounded waits ------------------------------------------------------------
 // Every mbarrier wait of the kernel goes through BoundedWait::wait: poll
@@ -122,41 +125,46 @@ struct BoundedWait {
   }
 };
 
-// The ring: stage s is free (empty[s], one arrival per warp of the consumer
-// that used it) or loaded (full[s], the producer's expect-tx arrival plus the
-// TMA bytes).
-template <int kStages>
+// The ring of shared-memory stages. Stage s is free (empty[s]: one arrival
+// per warp of the consumer that used it, per lane with a scale ring) or
+// loaded (full[s]: the producer's expect-tx arrival plus the TMA bytes). The
+// producer and the consumers touch stages only through these four steps:
+//   producer: acquire (wait until the slot is free), commit (arm its full
+//             barrier with the bytes about to land; the loads signal it);
+//   consumer: wait (until the slot holds its data), release (give it back).
+// kStageBytes: one stage's data; with kScales, `scales` holds each stage's
+// scale-ring slot (FP8 kWeightGrad), kScaleStageBytes each (else null).
+template <int kStages, int kStageBytes, bool kScales>
 struct StageRing {
   uint64_t* full;
   uint64_t* empty;
+  uint8_t* stages;
+  float* scales;
 
-  // The producer: wait until the slot of `ps` is free (its previous use released).
-  __device__ __forceinline__ bool wait_empty(const BoundedWait& w, PipelineState<kStages> ps) const {
+  __device__ __forceinline__ uint8_t* stage(int s) const { return stages + s * kStageBytes; }
+  __device__ __forceinline__ float* stage_scales(int s) const {
+    static_assert(kScales, "a ring without scale slots");
+    return scales + s * (kScaleStageBytes / 4);
+  }
+  // The consumer-sized view of slots [first, first + kRing) (split rings: one consumer's).
+  template <int kRing>
+  __device__ __forceinline__ StageRing<kRing, kStageBytes, kScales> slice(int first) const {
+    return {full + first, empty + first, stages + first * kStageBytes,
+            kScales ? scales + first * (kScaleStageBytes / 4) : nullptr};
+  }
+
+  __device__ __forceinline__ bool producer_acquire(const BoundedWait& w, PipelineState<kStages> ps) const {
     return w.wait(&empty[ps.stage()], ps.empty_parity(), kBarrierEmpty, ps.it);
   }
-  // A consumer: wait until the slot of `ps` holds its data.
-  __device__ __forceinline__ bool wait_full(const BoundedWait& w, PipelineState<kStages> ps) const {
+  // Expects tx_bytes on slot s's full barrier, which the stage's loads then complete.
+  __device__ __forceinline__ uint64_t* producer_commit(int s, uint32_t tx_bytes) const {
+    ptx::mbar_arrive_expect_tx(&full[s], tx_bytes);
+    return &full[s];
+  }
+  __device__ __forceinline__ bool consumer_wait(const BoundedWait& w, PipelineState<kStages> ps) const {
     return w.wait(&full[ps.stage()], ps.parity(), kBarrierFull, ps.it);
   }
-};
-
-// The same ring by the shared-window addresses of its barriers, kept in
-// registers: the gathering producers' loop (grouped_gemm.cu), where
-// converting the pointers each stage (S2UR SR_CgaCtaId chains) was ~20% of
-// the producer warps' time (Nsight Compute, session 35).
-struct StageRingAt {
-  uint32_t full;   // full[0]'s address; full[s] is 8 s bytes on
-  uint32_t empty;  // empty[0]'s
-
-  template <int kStages>
-  __device__ __forceinline__ static StageRingAt of(const StageRing<kStages>& ring) {
-    return {ptx::smem_u32(ring.full), ptx::smem_u32(ring.empty)};
-  }
-  __device__ __forceinline__ uint32_t full_at(int stage) const { return full + 8u * static_cast<uint32_t>(stage); }
-  template <int kStages>
-  __device__ __forceinline__ bool wait_empty(const BoundedWait& w, PipelineState<kStages> ps) const {
-    return w.wait(empty + 8u * static_cast<uint32_t>(ps.stage()), ps.empty_parity(), kBarrierEmpty, ps.it);
-  }
+  __device__ __forceinline__ void consumer_release(int s) const { ptx::mbar_arrive(&empty[s]); }
 };
 
 // Split rings (the FP8 kernels, kSplitRings): the S stages are two rings of
@@ -165,7 +173,7 @@ struct StageRingAt {
 // per-k-block promotion leaves the tensor cores idle between one
 // warpgroup's wgmma groups; the other warpgroup's wgmmas fill those gaps
 // (one shared ring serialises the main loops: see OrderBarriers). Each ring
-// has its own producer thread (grouped_gemm.cu), so an epilogue still
+// has its own producer thread (producer.cuh), so an epilogue still
 // overlaps the other consumer's main loop and neither ring waits for the
 // other's loads or tile look-ups.
 

@@ -1,7 +1,7 @@
 // Side jobs: memory-bound layer steps run by the producer warpgroup's three
 // idle warps (1-3) of every CTA while the consumers run a compute-bound
-// GEMM, instead of taking the GPU for kernels of their own (perf-log,
-// session 35). Device code; included by grouped_gemm.cu.
+// GEMM, instead of taking the GPU for kernels of their own. Device code;
+// included by kernel.cuh.
 //
 // GroupedGemmArgs::side_combine: a slot combine (combine_slots' sums, bit
 // for bit: moe/slot_sums.cuh; dx's combine: 144 us at Qwen3-30B-A3B, 280 at
@@ -12,8 +12,7 @@
 // valid ones is the same for all lanes, and the lanes walk the row's 16-byte
 // chunks (32 a step), adding the routes' chunks in route order, kSideLoads
 // loads in flight a lane (the bf16 producers' 56 registers hold four; in 40
-// ptxas kept one, and the kernels hosting side jobs were 20-40% slower,
-// session 36).
+// ptxas kept one, and the kernels hosting side jobs were 20-40% slower).
 // So that those loads find L2, a token's start asks L2 (prefetch.global.L2)
 // for every slot sector of the warp's next token (top_k rows, 32 bytes a
 // prefetch, the lanes in turn): ~13 us of work a token at Qwen3-30B-A3B hides the
@@ -22,9 +21,9 @@
 
 #include <cstdint>
 
-#include "cuda/gemm/engine_config.cuh"
+#include "cuda/gemm/kernel_spec.h"
 #include "cuda/gemm/grouped_gemm.h"
-#include "cuda/moe/slot_sums.cuh"
+#include "cuda/layer/slot_sums.cuh"
 #include "cuda/ptx/sm90.cuh"
 
 namespace megamoe::cuda::engine {
@@ -33,9 +32,9 @@ using ptx::prefetch_l2;
 
 // Loads in flight a lane; the side jobs run in bf16 kernels only (RegisterSplit<false>).
 inline constexpr int kSideLoads = 4;
-static_assert(RegisterSplit<false>::kProducer >= 56, "four side-job loads in flight need 56 producer registers");
+static_assert(register_split(ElemType::kBF16).producer >= 56, "four side-job loads in flight need 56 producer registers");
 
-__device__ __forceinline__ void run_side_combine(const GroupedGemmArgs::SideCombine& s, const DeviceErrorSink& errors) {
+__device__ __forceinline__ void run_side_combine(const SideCombine& s, const DeviceErrorSink& errors) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * 3 + (threadIdx.x / 32 - 1), warps = 3 * gridDim.x;
   const unsigned long long key = *s.error_key;
@@ -89,7 +88,7 @@ __device__ __forceinline__ void zero_pool_row(void* pool, int r, int chunks, int
 // SideGather::route_row: the scatter form, a warp a token row: lane j holds
 // route j's pool row, the lanes load kSideLoads x 32 chunks of the token
 // row and store them to each route's row in turn; then a warp a padding row.
-__device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGather& s, int lane, int warp, int warps,
+__device__ __forceinline__ void run_side_scatter(const SideGather& s, int lane, int warp, int warps,
                                                  int chunks) {
   for (int t = warp; t < s.tokens; t += warps) {
     const int32_t mine = lane < s.top_k ? s.route_row[t * s.top_k + lane] : -1;
@@ -125,9 +124,7 @@ __device__ __forceinline__ void run_side_scatter(const GroupedGemmArgs::SideGath
 // sectors, so that the copies' loads find L2. With rows_ready (kGateUp
 // gathering its own A) each row is counted once in, and warp w's first row
 // is row w: the first row tiles come in first, as the tiles want them.
-// With source_buffers a row is read from its source rank's buffer (the EP
-// forward's pull: over NVLink, inside the GEMM).
-__device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGather& s) {
+__device__ __forceinline__ void run_side_gather(const SideGather& s) {
   // 32-bit rows (pool and token rows are ints): the producer warps have 56 registers.
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(blockIdx.x) * 3 + static_cast<int>(threadIdx.x / 32) - 1;
@@ -139,12 +136,7 @@ __device__ __forceinline__ void run_side_gather(const GroupedGemmArgs::SideGathe
     const int32_t v = s.row_src[r];
     return v < 0 ? -1 : v / s.top_k;
   };
-  auto token_row = [&](int v) {  // where token row v is: src, or its source rank's buffer
-    const char* base = s.source_buffers == nullptr
-                           ? static_cast<const char*>(s.src)
-                           : static_cast<const char*>(s.source_buffers[v / s.tokens_per_source]) + s.source_offset;
-    return reinterpret_cast<const uint4*>(base) + static_cast<int64_t>(v) * chunks;
-  };
+  auto token_row = [&](int v) { return static_cast<const uint4*>(s.src) + static_cast<int64_t>(v) * chunks; };
   int next = warp < rows ? source(warp) : -1;
   for (int r = warp; r < rows; r += warps) {
     const int from = next;

@@ -1,4 +1,4 @@
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 #include "cuda/common/cuda_status.h"
 
 #include <string>

@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_errors.h"
-#include "cuda/moe/device_plan.h"
+#include "cuda/plan/device_plan.h"
 
 namespace megamoe::cuda {
 

@@ -1,4 +1,4 @@
-#include "cuda/moe/layer_kernels.h"
+#include "cuda/layer/layer_kernels.h"
 #include "cuda/common/cuda_status.h"
 
 #include <cuda_bf16.h>
@@ -7,8 +7,8 @@
 #include <cmath>
 #include <string>
 
-#include "cuda/moe/device_plan.h"
-#include "cuda/moe/slot_sums.cuh"
+#include "cuda/plan/device_plan.h"
+#include "cuda/layer/slot_sums.cuh"
 
 namespace megamoe::cuda {
 namespace {

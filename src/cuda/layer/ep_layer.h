@@ -1,6 +1,6 @@
 // The MoE layer's forward with expert parallelism inside one node
 // (docs/ep-design.md). BF16; with an FP8 precision in the owner's dims the
-// owner's GEMMs run in FP8 (cuda/moe/fp8_parts.h); fp8's forward sends its
+// owner's GEMMs run in FP8 (the layer's steps, layer_steps.h); fp8's forward sends its
 // rows in e4m3 with their scales (quantised by the source into its own
 // slots, gathered by the owner straight into its e4m3 pool), the backward
 // and fp8_bwd's forward send bf16 rows;
@@ -10,13 +10,13 @@
 // stream, no host synchronisation:
 //   send     check this rank's routing; copy its rows into its own slots and
 //            push each token row once to every other rank that hosts one of
-//            its experts (pull_rows: to none), and every rank the routing and
-//            its weights (cuda/comm/dispatch.h);
+//            its experts, and every rank the routing and its weights
+//            (cuda/comm/dispatch.h);
 //   experts  once every source's flag says its part is in: this rank's
 //            virtual token list, its plan (the one-GPU plan over
 //            V = world x max_tokens virtual tokens and L experts), GEMM1 +
-//            SwiGLU gathering its pool from the receive slots (pull_rows: from
-//            the sources' own slots) in its idle producer warps, GEMM2 x
+//            SwiGLU gathering its pool from the receive slots in its idle
+//            producer warps, GEMM2 x
 //            routing weight, whose epilogue stores each route's row straight
 //            into its source's return slot [j][t] (over NVLink: the transfer
 //            overlaps the GEMM), then the owner's flags (cuda/comm/combine.h);
@@ -25,7 +25,8 @@
 // Rows of an expert come in (source rank, token) order, as on one GPU, and
 // each output element is the same dot product in the same order: y is
 // bitwise the one-GPU layer's on the whole batch. layer_forward_ep runs the
-// three phases in turn; one process driving several ranks on one GPU runs
+// three phases in turn (layer_backward_ep the backward's six); one process
+// driving several ranks on one GPU runs
 // each phase for every rank before the next, all on one stream (a phase
 // waits for the others', and the forward's kGateUp is a cooperative launch
 // that needs every SM: on streams of their own, one rank's spin-wait could
@@ -72,7 +73,8 @@
 
 #include "cuda/comm/dispatch.h"
 #include "cuda/comm/peer_memory.h"
-#include "cuda/moe/cuda_layer.h"
+#include "cuda/layer/call_buffers.h"
+#include "cuda/layer/layer_call.h"
 #include "megamoe/status.h"
 
 namespace megamoe::cuda {
@@ -84,14 +86,6 @@ struct EpGroup {
   int num_experts = 0;    // E over the whole group, a multiple of world
   uint32_t epoch = 0;     // > 0, growing from call to call, the same on every rank
   void* scratch = nullptr;  // ep_scratch_layout(layout).bytes, 256-byte aligned, zeroed once before first use
-  // The bf16 forward's token rows: false, each source pushes every row once
-  // to each rank that needs it before the owners' GEMMs start (dispatch.h);
-  // true, each source only copies its rows into its own slots and the owners'
-  // kGateUp pulls each pool row from there while it runs (NVLink reads inside
-  // the GEMM: the transfer overlaps its tiles, at the cost of a token's row
-  // crossing once per route to that rank rather than once). The same on every
-  // rank of a call. FP8's forward and the backward always push.
-  bool pull_rows = false;
 };
 
 // This rank's small EP scratch (its own device memory, not shared):
@@ -123,36 +117,50 @@ EpSavedLayout ep_saved_layout(const DispatchLayout& layout);
 // scratch and saved buffers (their layouts: core/layer_buffers.h).
 LayerDims ep_owner_dims(const EpGroup& ep, int64_t intermediate);
 
-// `in`: this rank's x [tokens, H], topk_idx [tokens, k] (global ids),
-// topk_weights [tokens, k], and its local w13 [L, 2I, H], w2 [L, H, I].
+// Where the owner's slot-writing GEMMs (kDown, kGateUpGrad) store each
+// route's row: straight into its source rank's return area (over NVLink for
+// another GPU's), so no copy of the k x V x H slot rows follows the GEMM and
+// the transfer overlaps the GEMM's own compute. source_counts: this call's
+// counts (the backward's reconciled with its forward's).
+PeerSlots ep_return_slots(const EpGroup& ep, const int64_t* source_counts);
+
+// One rank's call, checked and its buffers carved once, for its phases.
 // owner_call from prepare_layer_call(ep_owner_dims(...), ..., slots_at_sources
 // = true) with the buffers it will get (scratch: bytes_without_slots: the
-// owner's slot rows go to the sources); y [tokens, H].
-Status ep_forward_send(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens);
-// With owner_buffers.saved (saved_layout(ep_owner_dims)) and ep_saved
-// (ep_saved_layout), what the backward needs is kept; without both, nothing
-// is (and owner_buffers.scratch must then hold the plan: scratch_layout(dims,
-// true, &layout, /*ep_owner=*/true)).
-Status ep_forward_experts(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                          const LayerBuffers& owner_buffers, void* ep_saved = nullptr);
-Status ep_forward_combine(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                          void* y);
-Status layer_forward_ep(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                        void* y, const LayerBuffers& owner_buffers, void* ep_saved = nullptr);
+// owner's slot rows go to the sources). `in`: this rank's x [tokens, H],
+// topk_idx [tokens, k] (global ids), topk_weights [tokens, k], and its local
+// w13 [L, 2I, H], w2 [L, H, I]. With owner_buffers.saved (saved_layout(
+// ep_owner_dims)) and ep_saved (ep_saved_layout) the forward keeps what the
+// backward needs; without both, nothing (owner_buffers.scratch then holds
+// the plan); a backward needs both, from its forward.
+struct EpCall {
+  LayerCall owner;
+  EpGroup ep;
+  LayerInputs in;
+  int64_t tokens = 0;
+  LayerBuffers buffers;
+  void* ep_saved = nullptr;
+  CallBuffers buf;
+};
+Status make_ep_call(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
+                    const LayerBuffers& owner_buffers, void* ep_saved, EpCall* out);
 
-// The backward's phases, in this order on every rank (owner_buffers.saved and
-// ep_saved from this call's forward; grads: this rank's dx [tokens, H] and
-// d_topk_weights [tokens, k], its local dw13 [L, 2I, H] and dw2 [L, H, I]).
-Status ep_backward_send_dy(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, const void* dy,
-                           int64_t tokens);
-Status ep_backward_experts(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, const void* dy,
-                           int64_t tokens, const LayerGrads& grads, const LayerBuffers& owner_buffers,
-                           const void* ep_saved);
-Status ep_backward_combine(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                           const LayerGrads& grads);
-Status ep_backward_send_x(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens);
-Status ep_backward_weight_grads(const LayerCall& owner_call, const EpGroup& ep, const LayerInputs& in, int64_t tokens,
-                                const LayerGrads& grads, const LayerBuffers& owner_buffers, const void* ep_saved);
-Status ep_backward_finish(const LayerCall& owner_call, const EpGroup& ep);
+// The forward's phases, in this order on every rank; y [tokens, H].
+Status ep_forward_send(const EpCall& c);
+Status ep_forward_experts(const EpCall& c);
+Status ep_forward_combine(const EpCall& c, void* y);
+Status layer_forward_ep(const EpCall& c, void* y);
+
+// The backward's phases, in this order on every rank (c from this call's
+// forward buffers; grads: this rank's dx [tokens, H] and d_topk_weights
+// [tokens, k], its local dw13 [L, 2I, H] and dw2 [L, H, I]). Epoch ep.epoch
+// carries dy and the returns, ep.epoch + 1 x and the owners' "read it" flags.
+Status ep_backward_send_dy(const EpCall& c, const void* dy);
+Status ep_backward_experts(const EpCall& c, const void* dy, const LayerGrads& grads);
+Status ep_backward_combine(const EpCall& c, const LayerGrads& grads);
+Status ep_backward_send_x(const EpCall& c);
+Status ep_backward_weight_grads(const EpCall& c, const LayerGrads& grads);
+Status ep_backward_finish(const EpCall& c);
+Status layer_backward_ep(const EpCall& c, const void* dy, const LayerGrads& grads);
 
 }  // namespace megamoe::cuda
