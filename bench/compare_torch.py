@@ -334,7 +334,7 @@ class MegaMoeImpl(TorchImpl):
         self.megamoe.check()  # raises device-found errors (bad ids, timed-out waits)
 
     def info(self) -> dict:
-        import megamoe._lib as lib
+        import megamoe._abi as lib
 
         out = {"library": getattr(lib.lib(), "_name", None)}
         stats = getattr(self.megamoe, "memory_stats", None)

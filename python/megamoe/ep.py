@@ -17,7 +17,7 @@ fix it instead. A call with more tokens is an error naming the limit.
 
 The forward keeps what the backward needs in a tensor autograd saves (the
 owner's routing plan, z, and its routes' weights); y, dx, d topk_w, dW13 and
-dW2 are bitwise those of one GPU running the whole batch (src/cuda/moe/ep_layer.h),
+dW2 are bitwise those of one GPU running the whole batch (src/cuda/layer/ep_layer.h),
 in bf16 and in FP8 (fp8 / fp8_bwd: the owners' GEMMs in e4m3 with this rank's
 experts' FP8 weights, cached as on one GPU; fp8's forward sends its rows in
 e4m3 with their scales, the backward's rows are bf16).
@@ -45,14 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _lib, peer
-
-
-class EpGroupStruct(ctypes.Structure):  # megamoe_ep_group
-    _fields_ = [
-        ("local", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("bytes", ctypes.c_uint64),
-        ("max_tokens", ctypes.c_int64), ("ep_scratch", _lib.Buffer), ("epoch", ctypes.c_uint32),
-    ]
+from . import _abi, _memory, peer
 
 
 @dataclass
@@ -69,16 +62,16 @@ class _Shared:
         """The first of n fresh epochs."""
         with self.lock:
             if self.broken:
-                raise _lib.MegaMoEError(f"megamoe.ep: this rank's expert-parallel buffer is out of step since an "
+                raise _abi.MegaMoEError(f"megamoe.ep: this rank's expert-parallel buffer is out of step since an "
                                         f"earlier call failed ({self.broken}); the group must be rebuilt")
             first = self.epoch + 1
             self.epoch += n
             return first
 
-    def struct(self, epoch: int) -> EpGroupStruct:
+    def struct(self, epoch: int) -> _abi.EpGroup:
         b = self.buffer
-        return EpGroupStruct(b.tensor.data_ptr(), b.peers_device_ptr, b.nbytes, self.max_tokens,
-                             _lib.Buffer(self.ep_scratch.data_ptr(), self.ep_scratch.numel()), epoch)
+        return _abi.EpGroup(b.tensor.data_ptr(), b.peers_device_ptr, b.nbytes, self.max_tokens,
+                            _abi.Buffer(self.ep_scratch.data_ptr(), self.ep_scratch.numel()), epoch)
 
 
 _SHARED: dict[tuple, _Shared] = {}
@@ -89,22 +82,10 @@ def _timeout_ms() -> int:
     return int(os.environ.get("MEGAMOE_EP_TIMEOUT_MS", "600000"))
 
 
-def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool,
-            recipe: str = "bf16") -> _lib.Config:
-    """recipe: a precision, "/pow2" after fp8 / fp8_bwd for power-of-two scales (megamoe.ops)."""
-    precision, _, scale = recipe.partition("/")
-    return _lib.Config(H, I, E, k, rank, world, _lib.PRECISIONS[precision], _lib.SAVE_POLICIES["keep"],
-                       1 if validate else 0, 0, _timeout_ms(), _lib.FP8_SCALES["pow2" if scale else "fp32"], 0)
-
-
-def sizes(H: int, I: int, E: int, k: int, world: int, max_tokens: int, will_backward: bool = True,
-          recipe: str = "bf16") -> dict:
-    """Bytes of the symmetric buffer and EP scratch (per group and device) and of one call's scratch and saved."""
-    out = [ctypes.c_uint64() for _ in range(4)]
-    cfg = _config(H, I, E, k, 0, world, False, recipe)
-    _lib.check(_lib.lib().megamoe_ep_sizes(ctypes.byref(cfg), max_tokens, 1 if will_backward else 0,
-                                           *[ctypes.byref(o) for o in out]))
-    return dict(zip(("symmetric", "ep_scratch", "scratch", "saved"), (o.value for o in out)))
+def _config(H: int, I: int, E: int, k: int, rank: int, world: int, validate: bool, precision: str,
+            fp8_scale: str) -> _abi.Config:
+    return _abi.config(H, I, E, k, precision=precision, fp8_scale=fp8_scale, validate=validate, rank=rank,
+                       world=world, timeout_ms=_timeout_ms())
 
 
 def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int, max_tokens) -> _Shared:
@@ -122,7 +103,7 @@ def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int,
         agreed = int(t.item())
     else:
         agreed = int(max_tokens)
-    need = sizes(H, I, E, k, world, agreed)
+    need = _abi.ep_sizes(H, I, E, k, world, agreed)
     buf = peer.symmetric_buffer(need["symmetric"], group)  # collective, on the current device (x's)
     buf.tensor.zero_()
     scratch = torch.zeros(need["ep_scratch"], dtype=torch.uint8, device=device)
@@ -137,20 +118,19 @@ def _shared(group, device: torch.device, H: int, I: int, E: int, k: int, T: int,
     return s
 
 
-def _desc(t: torch.Tensor) -> _lib.Tensor:
-    from .ops import _desc as desc
-    return desc(t)
-
-
-def _run(fn, *args) -> None:
-    _lib.check(fn(*args))
+def _call(shared: _Shared, fn, *args) -> None:
+    """One C ABI call; a failure marks this rank's buffer out of step (the ranks' epochs may differ now)."""
+    try:
+        _abi.check(fn(*args))
+    except _abi.MegaMoEError as e:
+        shared.broken = str(e)
+        raise
 
 
 class _EpMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate, keep, recipe, fp8_weights,
-                fp8_kept):
-        from .ops import _fp8_desc, _scratch, _validate_flag
+    def forward(ctx, x, topk_idx, topk_weights, w13, w2, group, max_tokens, validate, keep, precision, fp8_scale,
+                fp8_weights, fp8_kept):
         import torch.distributed as dist
 
         x, topk_weights, w13, w2 = (t.contiguous() for t in (x, topk_weights, w13, w2))
@@ -165,38 +145,32 @@ class _EpMoE(torch.autograd.Function):
         if T > shared.max_tokens:
             # The other ranks will wait for this one in vain: this rank's buffer is out of step now.
             shared.broken = f"{T} tokens on rank {rank} > max_tokens = {shared.max_tokens}"
-            raise _lib.MegaMoEError(f"CapacityError: {T} tokens on rank {rank}, but this group's buffer holds "
+            raise _abi.MegaMoEError(f"CapacityError: {T} tokens on rank {rank}, but this group's buffer holds "
                                     f"max_tokens = {shared.max_tokens} (pass max_tokens= to megamoe.moe or the "
                                     f"module; the other ranks' calls time out)")
-        need = sizes(H, I, E, k, world, shared.max_tokens, keep, recipe)
+        need = _abi.ep_sizes(H, I, E, k, world, shared.max_tokens, will_backward=keep, precision=precision,
+                             fp8_scale=fp8_scale)
         y = torch.empty_like(x)
         saved = torch.empty(need["saved"], dtype=torch.uint8, device=x.device)
-        cfg = _config(H, I, E, k, rank, world, _validate_flag(validate), recipe)
+        cfg = _config(H, I, E, k, rank, world, _abi.validate_flag(validate), precision, fp8_scale)
         with torch.cuda.device(x.device):
-            scratch = _scratch(x.device, need["scratch"])
+            scratch = _memory.scratch(x.device, need["scratch"])
             grp = shared.struct(shared.take(1))
-            args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
-            try:
-                _run(_lib.lib().megamoe_ep_forward, ctypes.byref(cfg), ctypes.byref(grp),
-                     *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())
-                                                                    if saved.numel() else _lib.Buffer(None, 0)),
-                     ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                     ctypes.byref(_fp8_desc(fp8_weights)), torch.cuda.current_stream(x.device).cuda_stream)
-            except _lib.MegaMoEError as e:
-                shared.broken = str(e)
-                raise
+            args = [_abi.tensor_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, y)]
+            _call(shared, _abi.lib().megamoe_ep_forward, ctypes.byref(cfg), ctypes.byref(grp),
+                  *[ctypes.byref(a) for a in args], ctypes.byref(_abi.buffer_desc(saved)),
+                  ctypes.byref(_abi.buffer_desc(scratch)), ctypes.byref(_abi.fp8_weights_desc(fp8_weights)),
+                  torch.cuda.current_stream(x.device).cuda_stream)
         ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, saved)
-        ctx.shared, ctx.cfg, ctx.need, ctx.recipe = shared, cfg, need, recipe
-        # FP8 weights: as the one-GPU op (megamoe.ops._setup_context), a buffer the layer keeps is
-        # current for the backward; one of the forward's own is not held, the backward fills another.
+        ctx.shared, ctx.cfg, ctx.need, ctx.precision, ctx.fp8_scale = shared, cfg, need, precision, fp8_scale
+        # FP8 weights: as the one-GPU op (megamoe._ops), a buffer the layer keeps is current for the
+        # backward; one of the forward's own is not held, the backward fills another.
         ctx.fp8_weights = fp8_weights if fp8_kept and fp8_weights.numel() > 0 else None
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        from .ops import _fp8_bytes, _fp8_desc, _scratch, fill_fp8_weights
-
         x, topk_idx, topk_weights, w13, w2, saved = ctx.saved_tensors
         if saved.numel() == 0:
             raise RuntimeError("megamoe: this forward kept nothing for a backward")
@@ -205,31 +179,25 @@ class _EpMoE(torch.autograd.Function):
         dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)  # bf16, as the one-GPU op writes them
         fp8_weights = ctx.fp8_weights
         if fp8_weights is None:  # bf16 (empty), or FP8 not kept by the layer: this rank's experts, filled here
-            fp8_weights = x.new_empty(_fp8_bytes(w13, ctx.recipe), dtype=torch.uint8)
+            fp8_weights = x.new_empty(_memory.fp8_bytes_of(w13, ctx.precision, ctx.fp8_scale), dtype=torch.uint8)
             if fp8_weights.numel() > 0:
-                fill_fp8_weights(w13, w2, fp8_weights, ctx.recipe)
+                _memory.fill_fp8_weights(w13, w2, fp8_weights, ctx.precision, ctx.fp8_scale)
         with torch.cuda.device(x.device):
-            scratch = _scratch(x.device, ctx.need["scratch"])
+            scratch = _memory.scratch(x.device, ctx.need["scratch"])
             grp = ctx.shared.struct(ctx.shared.take(2))
-            args = [_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
-            try:
-                _run(_lib.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
-                     *[ctypes.byref(a) for a in args], ctypes.byref(_lib.Buffer(saved.data_ptr(), saved.numel())),
-                     ctypes.byref(_lib.Buffer(scratch.data_ptr(), scratch.numel())),
-                     ctypes.byref(_fp8_desc(fp8_weights)), torch.cuda.current_stream(x.device).cuda_stream)
-            except _lib.MegaMoEError as e:
-                ctx.shared.broken = str(e)
-                raise
-        return dx, None, dtw, dw13, dw2, None, None, None, None, None, None, None
+            args = [_abi.tensor_desc(t) for t in (x, topk_idx, topk_weights, w13, w2, dy, dx, dtw, dw13, dw2)]
+            _call(ctx.shared, _abi.lib().megamoe_ep_backward, ctypes.byref(ctx.cfg), ctypes.byref(grp),
+                  *[ctypes.byref(a) for a in args], ctypes.byref(_abi.buffer_desc(saved)),
+                  ctypes.byref(_abi.buffer_desc(scratch)), ctypes.byref(_abi.fp8_weights_desc(fp8_weights)),
+                  torch.cuda.current_stream(x.device).cuda_stream)
+        return dx, None, dtw, dw13, dw2, None, None, None, None, None, None, None, None
 
 
 @torch._dynamo.disable
 def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, validate: bool = False,
-           recipe: str = "bf16", fp8_weight_cache: bool = True) -> torch.Tensor:
-    """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...).
-    recipe: megamoe.ops' precision string ("bf16", "fp8", "fp8_bwd", "/pow2" after an FP8 one)."""
-    from .ops import _filled_fp8_weights, _fp8_bytes, _precision
-
+           precision: str = "bf16", fp8_scale: str = "fp32", fp8_weight_cache: bool = True) -> torch.Tensor:
+    """The expert-parallel layer (see the module docstring); called by megamoe.moe(group=...), which
+    has checked the options."""
     if not x.is_cuda:
         raise ValueError("megamoe: expert parallelism (group of several ranks) runs CUDA tensors only")
     if x.dtype != torch.bfloat16:
@@ -241,10 +209,9 @@ def moe_ep(x, topk_idx, topk_weights, w13, w2, group, *, max_tokens=None, valida
     w13c, w2c = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     # This rank's experts' FP8 weights, as the one-GPU op takes them: fp8 reads them in the forward,
     # fp8_bwd in its backward only (filled here when the layer keeps them).
-    precision = _precision(recipe)
     fp8_weights, fp8_kept = x.new_empty(0, dtype=torch.uint8), False
     if precision == "fp8" or (precision == "fp8_bwd" and fp8_weight_cache and keep):
-        fp8_weights, fp8_kept = _filled_fp8_weights(w13, w2, w13c, w2c, recipe, _fp8_bytes(w13, recipe),
-                                                    fp8_weight_cache)
+        fp8_weights, fp8_kept = _memory.filled_fp8_weights(w13, w2, w13c, w2c, precision, fp8_scale,
+                                                           fp8_weight_cache)
     return _EpMoE.apply(x, topk_idx, topk_weights.to(torch.float32), w13c, w2c, group, max_tokens, validate, keep,
-                        recipe, fp8_weights, fp8_kept)
+                        precision, fp8_scale, fp8_weights, fp8_kept)

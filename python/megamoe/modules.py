@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import moe
+from .functional import moe
 
 
 class MegaMoEExperts(nn.Module):

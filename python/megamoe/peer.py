@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _lib
+from . import _abi
 
 MAX_WORLD = 8  # the library's expert-parallel limit (one node)
 
@@ -77,7 +77,7 @@ def symmetric_buffer(nbytes: int, group) -> SymmetricBuffer:
 def _peer_check(buf: SymmetricBuffer, phase: int, wrong=None) -> None:
     with torch.cuda.device(buf.tensor.device):
         stream = torch.cuda.current_stream()
-        _lib.check(_lib.lib().megamoe_peer_check(phase, buf.rank, buf.world, buf.tensor.data_ptr(),
+        _abi.check(_abi.lib().megamoe_peer_check(phase, buf.rank, buf.world, buf.tensor.data_ptr(),
                                                  buf.peers_device_ptr, buf.nbytes, stream.cuda_stream, wrong))
 
 
@@ -115,6 +115,6 @@ def check_peer_memory(group, nbytes: int = 1 << 20) -> SymmetricBuffer:
     dist.all_gather(gathered, counts, group=group)
     bad = {r: int(c.item()) for r, c in enumerate(gathered) if int(c.item()) != 0}
     if bad:
-        raise _lib.MegaMoEError("megamoe.peer: words that do not hold what their writer put there, by rank of "
+        raise _abi.MegaMoEError("megamoe.peer: words that do not hold what their writer put there, by rank of "
                                 f"{buf.world} ({buf.nbytes}-byte symmetric buffers): {bad}")
     return buf

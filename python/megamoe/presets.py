@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import ctypes
 
-from . import _lib
+from . import _abi
 
 
 def _read() -> dict[str, dict]:
-    lib = _lib.lib()
+    lib = _abi.lib()
     count = ctypes.c_int32()
-    info = _lib.PresetInfo()
-    _lib.check(lib.megamoe_preset(0, ctypes.byref(info), ctypes.byref(count)))
+    info = _abi.PresetInfo()
+    _abi.check(lib.megamoe_preset(0, ctypes.byref(info), ctypes.byref(count)))
     out = {}
     for i in range(count.value):
-        _lib.check(lib.megamoe_preset(i, ctypes.byref(info), None))
+        _abi.check(lib.megamoe_preset(i, ctypes.byref(info), None))
         out[info.name.decode()] = dict(hidden_size=info.hidden, moe_intermediate_size=info.intermediate,
                                        num_experts=info.num_experts, num_experts_per_tok=info.top_k,
                                        num_attention_heads=info.attention_heads,

@@ -48,7 +48,7 @@ def _two_ranks(rank: int, init_file: str, precision: str = "bf16") -> None:
             idx_a[::7, 1] = -1  # dropped routes
             # Two layers sharing one buffer, in training's order (forward a, forward b,
             # backward b, backward a), with a no-grad forward (an eval) in between.
-            # FP8: the second layer with power-of-two scales (the other recipe).
+            # FP8: the second layer with power-of-two scales.
             def two_layers(x, wa, w13a, w2a, wb, w13b, w2b, ids_a, ids_b, group=None):
                 h = megamoe.moe(x, ids_a, wa, w13a, w2a, group=group, precision=precision)
                 return megamoe.moe(h, ids_b, wb, w13b, w2b, group=group, precision=precision,
@@ -96,15 +96,15 @@ def test_ep_refuses_cpu_tensors_and_other_modes():
 
 
 def test_ep_sizes_follow_the_layouts():
-    from megamoe import ep
+    from megamoe._abi import ep_sizes
     try:
-        a = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024)
+        a = ep_sizes(2048, 768, 128, 8, world=2, max_tokens=1024)
     except megamoe.MegaMoEError as e:  # a build without CUDA says so
         if "built without CUDA" in str(e):
             pytest.skip(str(e))
         raise
-    b = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=2048)
-    alone = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, will_backward=False)
+    b = ep_sizes(2048, 768, 128, 8, world=2, max_tokens=2048)
+    alone = ep_sizes(2048, 768, 128, 8, world=2, max_tokens=1024, will_backward=False)
     assert alone["saved"] == 0 and a["saved"] > 0
     for key in ("symmetric", "ep_scratch", "scratch", "saved"):
         assert b[key] > a[key] > 0 or key == "saved" and b[key] > a[key], (key, a, b)
@@ -112,28 +112,28 @@ def test_ep_sizes_follow_the_layouts():
     # The receive area alone: every other rank's max_tokens rows of H bf16.
     assert a["symmetric"] > 2 * 1024 * 2048 * 2
     with pytest.raises(megamoe.MegaMoEError, match="not divisible by ep_size"):
-        ep.sizes(2048, 768, 128, 8, world=3, max_tokens=1024)
+        ep_sizes(2048, 768, 128, 8, world=3, max_tokens=1024)
     # FP8: the owner's e4m3 operands in its scratch; the symmetric buffer (bf16 rows) and EP scratch as bf16's.
-    for recipe in ("fp8", "fp8_bwd", "fp8/pow2"):
-        f = ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, recipe=recipe)
-        assert f["scratch"] > a["scratch"] and f["scratch"] % 256 == 0, (recipe, f, a)
-        assert (f["symmetric"], f["ep_scratch"], f["saved"]) == (a["symmetric"], a["ep_scratch"], a["saved"]), recipe
+    for precision, scale in (("fp8", "fp32"), ("fp8_bwd", "fp32"), ("fp8", "pow2")):
+        f = ep_sizes(2048, 768, 128, 8, world=2, max_tokens=1024, precision=precision, fp8_scale=scale)
+        assert f["scratch"] > a["scratch"] and f["scratch"] % 256 == 0, (precision, scale, f, a)
+        assert (f["symmetric"], f["ep_scratch"], f["saved"]) == (a["symmetric"], a["ep_scratch"], a["saved"]), precision
     with pytest.raises(megamoe.MegaMoEError, match="mxfp8 needs Blackwell"):
-        ep.sizes(2048, 768, 128, 8, world=2, max_tokens=1024, recipe="mxfp8")
+        ep_sizes(2048, 768, 128, 8, world=2, max_tokens=1024, precision="mxfp8")
 
 
 def test_ep_fp8_weight_bytes_are_this_ranks_experts():
     """megamoe_fp8_weight_bytes with ep_size P: the buffer of one rank's E / P experts, which the Python
     weight cache fills from w13 [E/P, 2I, H] as a one-GPU layer of E / P experts."""
     import ctypes
-    from megamoe import _lib, ops
-    cfg = ops._config(2048, 768, 128, 8, "fp8", "keep", False)
+    from megamoe import _abi
+    cfg = _abi.config(2048, 768, 128, 8, precision="fp8")
     one_rank = ctypes.c_uint64()
     for world in (2, 4, 8):
         cfg.ep_size = world
-        _lib.check(_lib.lib().megamoe_fp8_weight_bytes(ctypes.byref(cfg), ctypes.byref(one_rank)))
-        assert one_rank.value == ops.fp8_weight_bytes(2048, 768, 128 // world, 1, "fp8") > 0, world
-    assert ops.fp8_weight_bytes(2048, 768, 64, 1, "fp8") < ops.fp8_weight_bytes(2048, 768, 128, 1, "fp8")
+        _abi.check(_abi.lib().megamoe_fp8_weight_bytes(ctypes.byref(cfg), ctypes.byref(one_rank)))
+        assert one_rank.value == _abi.fp8_weight_bytes(2048, 768, 128 // world, 1, "fp8") > 0, world
+    assert _abi.fp8_weight_bytes(2048, 768, 64, 1, "fp8") < _abi.fp8_weight_bytes(2048, 768, 128, 1, "fp8")
 
 
 class _RankGroup(_FakeGroup):

@@ -104,7 +104,7 @@ def test_saved_layout_in_python_matches_the_library():
     # The fake (symbolic) forward sizes the saved tensor in Python: it must equal the C++ layout.
     for T, H, I, E, k in [(1, 128, 128, 4, 2), (300, 256, 128, 8, 2), (16384, 2048, 768, 128, 8),
                           (257, 4096, 1536, 128, 8), (10, 128, 256, 4, 4), (0, 128, 128, 16, 4)]:
-        assert megamoe.ops.saved_bytes(T, H, I, E, k) == megamoe.buffer_sizes(T, H, I, E, k)[1], (T, H, I, E, k)
+        assert megamoe._abi.saved_bytes(T, H, I, E, k) == megamoe.buffer_sizes(T, H, I, E, k)[1], (T, H, I, E, k)
         assert megamoe.buffer_sizes(T, H, I, E, k, save="recompute")[1] == 0
         assert megamoe.buffer_sizes(T, H, I, E, k, will_backward=False)[1] == 0
 
@@ -181,7 +181,7 @@ def test_fp8_scale_reaches_the_library():
     pow2 and fp32 scales round differently, both stay within FP8's error of bf16; a bad value in the C
     struct is refused by the library, naming the field."""
     import ctypes
-    from megamoe import _lib, ops
+    from megamoe import _abi
     x, idx, w, w13, w2 = random_inputs(T=6, dtype=torch.bfloat16)
     bf16 = megamoe.moe(x, idx, w, w13, w2).double()
     ys = {s: megamoe.moe(x, idx, w, w13, w2, precision="fp8", fp8_scale=s).double() for s in ("fp32", "pow2")}
@@ -191,18 +191,18 @@ def test_fp8_scale_reaches_the_library():
         assert 0 < err < 0.1, (s, err)
     with pytest.raises(ValueError, match="fp8_scale='pow2' needs precision 'fp8' or 'fp8_bwd' \\(got 'bf16'\\)"):
         megamoe.moe(x, idx, w, w13, w2, fp8_scale="pow2")
-    with pytest.raises(ValueError, match="recipe 'bf16/pow2'"):
-        ops.fp8_weight_bytes(128, 128, 4, 2, "bf16/pow2")
-    cfg = ops._config(128, 128, 4, 2, "fp8/pow2", "keep", False)
-    assert (cfg.precision, cfg.fp8_scale) == (_lib.PRECISIONS["fp8"], _lib.FP8_SCALES["pow2"])
+    with pytest.raises(ValueError, match="fp8_scale='pow2' needs precision 'fp8' or 'fp8_bwd' \\(got 'bf16'\\)"):
+        _abi.fp8_weight_bytes(128, 128, 4, 2, "bf16", "pow2")
+    cfg = _abi.config(128, 128, 4, 2, precision="fp8", fp8_scale="pow2")
+    assert (cfg.precision, cfg.fp8_scale) == (_abi.OPTIONS["precision"]["fp8"], _abi.OPTIONS["fp8_scale"]["pow2"])
     cfg.fp8_scale = 2
     scratch, saved = ctypes.c_uint64(), ctypes.c_uint64()
     with pytest.raises(megamoe.MegaMoEError, match=r"fp8_scale: expected 0 \(fp32\) or 1 \(pow2\), got 2"):
-        _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
+        _abi.check(_abi.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
                                                    ctypes.byref(saved)))
     cfg.fp8_scale, cfg.cuda_paths = 1, 8
     with pytest.raises(megamoe.MegaMoEError, match=r"cuda_paths: expected bits 0-2 \(0 = the defaults\), got 8"):
-        _lib.check(_lib.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
+        _abi.check(_abi.lib().megamoe_buffer_sizes(ctypes.byref(cfg), 8, 1, ctypes.byref(scratch),
                                                    ctypes.byref(saved)))
 
 
@@ -404,10 +404,10 @@ def test_forward_output_unused_in_the_loss_gives_no_gradients():
 
 @cuda_only
 def test_cuda_fp8_weights_are_quantised_once_per_optimizer_step(monkeypatch):
-    from megamoe import ops
+    from megamoe import _memory
     fills = []
-    real_fill = ops.fill_fp8_weights
-    monkeypatch.setattr(ops, "fill_fp8_weights", lambda *a: (fills.append(a[-1]), real_fill(*a))[1])
+    real_fill = _memory.fill_fp8_weights
+    monkeypatch.setattr(_memory, "fill_fp8_weights", lambda *a: (fills.append(a[3]), real_fill(*a))[1])
     x, idx, w, w13, w2 = random_inputs(T=256, H=256, I=128, E=8, k=2, dtype=torch.bfloat16, device="cuda", drop=False)
     w13, w2 = torch.nn.Parameter(w13.detach()), torch.nn.Parameter(w2.detach())
 
@@ -418,7 +418,7 @@ def test_cuda_fp8_weights_are_quantised_once_per_optimizer_step(monkeypatch):
 
     y1 = step()
     assert fills == ["fp8"]  # the forward filled it, the backward read it
-    assert ops.memory_stats()["fp8_weight_bytes"] >= ops.fp8_weight_bytes(256, 128, 8, 2, "fp8")
+    assert megamoe.memory_stats()["fp8_weight_bytes"] >= megamoe.fp8_weight_bytes(256, 128, 8, 2, "fp8")
     assert torch.equal(step(), y1) and fills == ["fp8"]  # same weights: no refill, same result
     torch.optim.AdamW([w13, w2], lr=1e-2, fused=True).step()  # no version bump: the step hook marks it stale
     y2 = step()
@@ -444,11 +444,11 @@ def test_cuda_fp8_weights_are_cached_under_torch_compile(monkeypatch, precision,
     # backward), the ops look the layer's FP8 weights up in their bodies: one
     # fill per optimizer step, as in eager mode, and the results of weights
     # quantised afresh (the cache off), before and after a step.
-    from megamoe import ops
+    from megamoe import _memory
     torch._dynamo.reset()
     fills = []
-    real_fill = ops.fill_fp8_weights
-    monkeypatch.setattr(ops, "fill_fp8_weights", lambda *a: (fills.append(a[-1]), real_fill(*a))[1])
+    real_fill = _memory.fill_fp8_weights
+    monkeypatch.setattr(_memory, "fill_fp8_weights", lambda *a: (fills.append(a[3]), real_fill(*a))[1])
     torch.manual_seed(0)
     layer = megamoe.MoE(256, 128, 8, 2, precision=precision, device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
@@ -530,7 +530,7 @@ def test_modules_pass_the_fp8_weight_cache_choice_through(monkeypatch):
     assert seen[-1]["fp8_weight_cache"] is True and seen[-1]["fp8_scale"] == "fp32"  # the defaults
 
 
-# What the compiled FP8 weight cache relies on (ops.py, "FP8 weights"): under
+# What the compiled FP8 weight cache relies on (megamoe/_memory.py, "FP8 weights"): under
 # torch.compile a custom op's body receives the bf16 parameters as the
 # Parameter objects themselves, forward, recomputed forward (checkpointing)
 # and backward, with their version counters, so the cache sees optimizer

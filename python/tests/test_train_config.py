@@ -108,15 +108,15 @@ def test_help_lists_every_key_with_its_default(capsys):
 
 
 def test_presets_come_from_the_library():
-    from megamoe import _lib
+    from megamoe import _abi
     import ctypes
     count = ctypes.c_int32()
-    info = _lib.PresetInfo()
-    _lib.check(_lib.lib().megamoe_preset(0, ctypes.byref(info), ctypes.byref(count)))
+    info = _abi.PresetInfo()
+    _abi.check(_abi.lib().megamoe_preset(0, ctypes.byref(info), ctypes.byref(count)))
     assert set(train.PRESETS) == {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b",
                                   "deepseek-v3"} and count.value == 6
     assert train.PRESETS["qwen3-30b-a3b"]["hidden_size"] == 2048
     assert train.PRESETS["qwen3-235b-a22b"]["moe_intermediate_size"] == 1536
     assert train.PRESETS["mixtral-8x7b"]["moe_intermediate_size"] == 14336
-    with pytest.raises(_lib.MegaMoEError, match=r"preset index 6 is out of range \[0, 6\)"):
-        _lib.check(_lib.lib().megamoe_preset(6, ctypes.byref(info), None))
+    with pytest.raises(_abi.MegaMoEError, match=r"preset index 6 is out of range \[0, 6\)"):
+        _abi.check(_abi.lib().megamoe_preset(6, ctypes.byref(info), None))
