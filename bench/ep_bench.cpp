@@ -243,18 +243,7 @@ int main(int argc, char** argv) {
           ep.epoch = ph < 3 ? epoch - 2 : epoch - 1;
           cuda::EpCall c;
           MEGAMOE_RETURN_IF_ERROR(cuda::make_ep_call(R.call, ep, in, T, R.buffers, R.ep_saved.p, &c));
-          const void* dy = R.dev.dy.view().data;
-          switch (ph) {
-            case 0: return cuda::ep_forward_send(c);
-            case 1: return cuda::ep_forward_experts(c);
-            case 2: return cuda::ep_forward_combine(c, R.dev.y.view().data);
-            case 3: return cuda::ep_backward_send_dy(c, dy);
-            case 4: return cuda::ep_backward_experts(c, dy, g);
-            case 5: return cuda::ep_backward_combine(c, g);
-            case 6: return cuda::ep_backward_send_x(c);
-            case 7: return cuda::ep_backward_weight_grads(c, g);
-            default: return cuda::ep_backward_finish(c);
-          }
+          return cuda::run_ep_phase(c, ph, R.dev.y.view().data, R.dev.dy.view().data, g);
         },
         3);
   };

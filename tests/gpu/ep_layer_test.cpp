@@ -129,22 +129,12 @@ int64_t rows_differing(const HostTensor& got, const HostTensor& want, int64_t r0
 // Phase `phase` of a call for one rank: the forward's three (fw's epoch),
 // then the backward's six (bw's). Phase 1 keeps what a backward needs when
 // ep_saved is given (buffers then with their saved buffer), else nothing.
-Status run_ep_phase(int phase, const cuda::LayerCall& call, const cuda::EpGroup& fw, const cuda::EpGroup& bw,
+Status run_rank_phase(int phase, const cuda::LayerCall& call, const cuda::EpGroup& fw, const cuda::EpGroup& bw,
                     const cuda::LayerInputs& in, const cuda::LayerGrads& g, int64_t n, void* y, const void* dy,
                     const MoeBuffers& buffers, void* ep_saved) {
   cuda::EpCall c;
   MEGAMOE_RETURN_IF_ERROR(cuda::make_ep_call(call, phase < 3 ? fw : bw, in, n, buffers, ep_saved, &c));
-  switch (phase) {
-    case 0: return cuda::ep_forward_send(c);
-    case 1: return cuda::ep_forward_experts(c);
-    case 2: return cuda::ep_forward_combine(c, y);
-    case 3: return cuda::ep_backward_send_dy(c, dy);
-    case 4: return cuda::ep_backward_experts(c, dy, g);
-    case 5: return cuda::ep_backward_combine(c, g);
-    case 6: return cuda::ep_backward_send_x(c);
-    case 7: return cuda::ep_backward_weight_grads(c, g);
-    default: return cuda::ep_backward_finish(c);
-  }
+  return cuda::run_ep_phase(c, phase, y, dy, g);
 }
 
 // Ranks on `devices` (repeats: several ranks on one GPU), two calls (forward
@@ -253,7 +243,7 @@ void expect_ep_equals_one_gpu(const EpCase& c, const std::vector<int>& devices, 
         const cuda::EpGroup fw = ep_of(r, epoch), bw = ep_of(r, epoch + 1);
         void* y = empty ? nullptr : static_cast<uint16_t*>(D.y.view().data) + t0 * H;
         const void* dy = empty ? nullptr : static_cast<const uint16_t*>(D.dy.view().data) + t0 * H;
-        MEGAMOE_ASSERT_OK(run_ep_phase(phase, R.call, fw, bw, in, g, n, y, dy,
+        MEGAMOE_ASSERT_OK(run_rank_phase(phase, R.call, fw, bw, in, g, n, y, dy,
                                        backward ? R.buffers : R.forward_only, backward ? R.ep_saved->p : nullptr));
     };
     const int phases = backward ? 9 : 3;
@@ -462,7 +452,7 @@ void expect_rank_missing_from_backward_is_named(int P, Precision precision) {
       ep.epoch = phase < 3 ? 1 : 2;
       const cuda::LayerInputs in = layer_inputs(*R.dev, 0, int64_t{r} * L, 0, p);
       const cuda::LayerGrads g = layer_grads(*R.dev, 0, int64_t{r} * L, 0, p);
-      MEGAMOE_ASSERT_OK(run_ep_phase(phase, R.call, ep, ep, in, g, T, R.dev->y.view().data, R.dev->dy.view().data,
+      MEGAMOE_ASSERT_OK(run_rank_phase(phase, R.call, ep, ep, in, g, T, R.dev->y.view().data, R.dev->dy.view().data,
                                      R.buffers, R.ep_saved->p));
     }
   const Status st = check_device_errors(0, nullptr);  // one report per device: the first wins

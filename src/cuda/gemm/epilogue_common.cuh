@@ -75,14 +75,14 @@ __device__ __forceinline__ void consumer_sync() { named_barrier(threadIdx.x >> 7
 // be written again after staging_free(). Two ways:
 //  - kDirect (the FP8 kernels): 16-byte stores, consecutive lanes on
 //    consecutive chunks of a row (whole 32-byte sectors per warp), from a
-//    staging tile of a row half (kRows 64: kEpilogueBytesOf). No TMA:
+//    staging tile of a row half (kRows 64: the FP8 epilogue buffer). No TMA:
 //    one bulk copy per row segment (128 to 384 a tile) goes through the SM's
 //    TMA unit, which the producer's stage loads need (FP8 kGateUp -9% at
-//    235B with these stores, perf-log session 25).
+//    235B with these stores).
 //  - else (bf16) thread r's row r as bulk copies that run on while the
 //    consumer goes on (faster than stores from registers for bf16: kDown 816
-//    -> 702 us at 30B, session 18). Every thread first fences its staging
-//    writes toward the async proxy.
+//    -> 702 us at 30B). Every thread first fences its staging writes toward
+//    the async proxy.
 template <int kRows, int kCols, int kSeg, bool kDirect, typename SegFn>
 __device__ __forceinline__ void store_rows(const __nv_bfloat16* staging, SegFn dst) {
   static_assert(kCols % kSeg == 0 && kSeg % 8 == 0, "rows and segments are whole 16-byte chunks");

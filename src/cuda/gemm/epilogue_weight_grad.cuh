@@ -21,12 +21,12 @@ struct WeightGradEpilogue {
     // adjacent columns: even t those of j = 2jj (its own pair, then its
     // partner's), odd t those of j = 2jj + 1 (its partner's, then its own).
     // A warp's store then covers whole 32-byte sectors: 8 bytes a lane in
-    // bf16 (a pair a lane wrote half sectors: Nsight Compute, session 29,
-    // 50% excess sectors in FP8 dW2) and 16 in fp32, with half the store
+    // bf16 (a pair a lane wrote half sectors: Nsight Compute measured 50%
+    // excess sectors in FP8 dW2) and 16 in fp32, with half the store
     // instructions (dW2's stores waited on the LSU queue, lg throttle).
     // Each of this thread's four rows (h, q) gets one pointer, its stores at
     // immediate offsets 16 jj from it. (With the address built per store, a
-    // store took ~18 instructions: session 28's SASS.)
+    // store took ~18 instructions in the SASS.)
     const bool odd = (threadIdx.x & 1) != 0;
     const int64_t N = a.n;
     const int64_t base = static_cast<int64_t>(tile.expert) * a.m * N + static_cast<int64_t>(tile.m) * kBlockM * N +

@@ -175,14 +175,9 @@ int smem_of(KernelKey key) {
 }  // namespace
 
 const char* to_string(GemmMode m) {
-  switch (m) {
-    case GemmMode::kGateUp: return "kGateUp";
-    case GemmMode::kDown: return "kDown";
-    case GemmMode::kDownGrad: return "kDownGrad";
-    case GemmMode::kGateUpGrad: return "kGateUpGrad";
-    case GemmMode::kWeightGrad: return "kWeightGrad";
-  }
-  return "?";
+  static const char* const kNames[] = {"kGateUp", "kDown", "kDownGrad", "kGateUpGrad", "kWeightGrad"};
+  const auto i = static_cast<size_t>(m);
+  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "?";
 }
 
 std::string KernelConfig::describe() const {
@@ -197,13 +192,10 @@ std::string KernelConfig::describe() const {
 }
 
 Status select_kernel(const GroupedGemmArgs& a, int num_sms, const GemmOverrides& o, KernelConfig* out) {
-  MEGAMOE_RETURN_IF_ERROR(check_sizes(a));
-  MEGAMOE_RETURN_IF_ERROR(check_fp8(a));
-  MEGAMOE_RETURN_IF_ERROR(check_arrival(a));
-  MEGAMOE_RETURN_IF_ERROR(check_side_combine(a));
-  MEGAMOE_RETURN_IF_ERROR(check_side_gather(a));
-  MEGAMOE_RETURN_IF_ERROR(check_peer_slots(a));
-  MEGAMOE_RETURN_IF_ERROR(check_outputs(a));
+  // Each feature's preconditions, beside the feature: the first rule broken is the error.
+  for (Status (*check)(const GroupedGemmArgs&) :
+       {check_sizes, check_fp8, check_arrival, check_side_combine, check_side_gather, check_peer_slots, check_outputs})
+    MEGAMOE_RETURN_IF_ERROR(check(a));
   if (num_sms < 1) return internal_error("grouped GEMM: no SMs to launch on");
   KernelConfig c;
   c.key = KernelKey{a.mode, a.elem, choose_tile(a, o),

@@ -348,6 +348,21 @@ Status ep_backward_finish(const EpCall& c) {
   return combine_wait(c.ep.layout, c.ep.view.local, c.ep.epoch + 1, c.owner.errors, c.owner.stream);
 }
 
+Status run_ep_phase(const EpCall& c, int phase, void* y, const void* dy, const LayerGrads& grads) {
+  switch (phase) {
+    case 0: return ep_forward_send(c);
+    case 1: return ep_forward_experts(c);
+    case 2: return ep_forward_combine(c, y);
+    case 3: return ep_backward_send_dy(c, dy);
+    case 4: return ep_backward_experts(c, dy, grads);
+    case 5: return ep_backward_combine(c, grads);
+    case 6: return ep_backward_send_x(c);
+    case 7: return ep_backward_weight_grads(c, grads);
+    case 8: return ep_backward_finish(c);
+    default: return invalid_argument("EP layer: phase " + std::to_string(phase) + " is not 0 to 8");
+  }
+}
+
 Status layer_backward_ep(const EpCall& c, const void* dy, const LayerGrads& grads) {
   MEGAMOE_RETURN_IF_ERROR(ep_backward_send_dy(c, dy));
   MEGAMOE_RETURN_IF_ERROR(ep_backward_experts(c, dy, grads));

@@ -163,4 +163,10 @@ Status ep_backward_weight_grads(const EpCall& c, const LayerGrads& grads);
 Status ep_backward_finish(const EpCall& c);
 Status layer_backward_ep(const EpCall& c, const void* dy, const LayerGrads& grads);
 
+// Phase `phase` of a forward (0-2) and its backward (3-8), in the order above:
+// for callers that run each phase for every rank before the next (ranks
+// sharing a GPU). y, dy and grads as the phases above take them.
+inline constexpr int kEpForwardPhases = 3, kEpPhases = 9;
+Status run_ep_phase(const EpCall& c, int phase, void* y, const void* dy, const LayerGrads& grads);
+
 }  // namespace megamoe::cuda

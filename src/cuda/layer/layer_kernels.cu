@@ -22,7 +22,7 @@ int grid_for(int64_t work) { return blocks_for((work + kThreads - 1) / kThreads)
 
 // One thread a 16-byte chunk. Walking (4-row group, 256-chunk segment)
 // units with all loads first measured the same 253 us at Qwen3-30B-A3B
-// (16384 tokens; session 38), so the simple form stays.
+// (16384 tokens), so the simple form stays.
 __global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, const int32_t* row_src, int k,
                                    const int32_t* pool_rows, uint4* pool) {
   const int64_t total = static_cast<int64_t>(*pool_rows) * chunks_per_row;
@@ -40,7 +40,7 @@ __global__ void gather_rows_kernel(const uint4* src, int64_t chunks_per_row, con
 // rows reads each token row k times at random moments (x or dy: 64 MB at
 // Qwen3-30B-A3B, more than L2 keeps), so the gather moved ~1.07 GB through
 // DRAM for 0.54 GB of pool rows; this moves ~0.6 GB. (The FP8 row quantizer
-// measured the same change 285 -> 127 us, session 26.)
+// measured the same change 285 -> 127 us.)
 __global__ void scatter_rows_kernel(const uint4* src, int64_t tokens, int64_t chunks_per_row, const int32_t* route_row,
                                     int k, const int32_t* row_src, const int32_t* pool_rows, uint4* pool) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -67,7 +67,7 @@ __global__ void scatter_rows_kernel(const uint4* src, int64_t tokens, int64_t ch
 // kCombineBatch of its chunk's rows at once, then adds them in j order (the
 // sum's order, so its bits, stay). One load in flight a thread, behind a
 // dependent index load, took 172 us at Qwen3-30B-A3B, 16384 tokens (pool
-// rows; 155 this way, 604 MB: ~3.9 TB/s; session 38).
+// rows; 155 this way, 604 MB: ~3.9 TB/s).
 constexpr int kCombineBatch = 8;
 
 __global__ void combine_slots_kernel(const uint4* slots, int64_t slot_plane, const int32_t* route_row,
