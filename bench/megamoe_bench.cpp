@@ -19,7 +19,7 @@ namespace {
 
 using namespace megamoe;
 
-constexpr double kPeakTflops = 797.0;  // measured bf16 dense GEMM on an H200 (DESIGN.md section 7)
+constexpr double kPeakTflops = 797.0;  // measured bf16 dense GEMM on an H200 (docs/design.md, "Ceilings")
 
 int fail(const Status& st) {
   std::fprintf(stderr, "megamoe-bench: %s\n", st.to_string().c_str());

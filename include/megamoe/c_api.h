@@ -93,7 +93,7 @@ int megamoe_backward(const megamoe_config* config, const megamoe_tensor* x, cons
                      const megamoe_tensor* dw13, const megamoe_tensor* dw2, const megamoe_buffer* saved,
                      const megamoe_buffer* scratch, const megamoe_fp8_weights* fp8_weights, void* stream);
 
-/* Expert parallelism (src/cuda/moe/ep_layer.h), CUDA only, config.ep_size
+/* Expert parallelism (src/cuda/layer/ep_layer.h), CUDA only, config.ep_size
  * ranks of config.ep_rank: each rank calls with its own tokens and its E/P
  * experts' w13 [E/P,2I,H], w2 [E/P,H,I]; the calls of all ranks meet through
  * the group's symmetric buffer. The call waits for the other ranks on the

@@ -1,4 +1,4 @@
-"""A plain PyTorch MoE layer (the math of DESIGN.md section 2), for checking the op."""
+"""A plain PyTorch MoE layer (the math of docs/design.md), for checking the op."""
 import torch
 import torch.nn.functional as F
 

@@ -60,7 +60,7 @@ template <int S>
 struct Cta {
   std::vector<TileWork> tiles;
   bool use_order = true;
-  // Wide kGateUp tiles (grouped_gemm.cu's kWide): both consumers read every
+  // Wide kGateUp tiles (128 x 256): both consumers read every
   // stage of every tile, no order barriers, and a stage's empty barrier
   // counts both consumers (one arrival each here: the kernel's 4 + 4 warps).
   bool wide = false;

@@ -204,7 +204,7 @@ struct BoxStores {
   }
 };
 
-// kGateUp in 128 x 256 tiles (grouped_gemm.cu's kWide, bf16): consumer cw
+// kGateUp in 128 x 256 tiles (bf16): consumer cw
 // holds rows [64 cw, 64 cw + 64) of the tile, acc[0] their 128 gate columns
 // and acc[1] the matching 128 up columns (a-columns 128 n + c: register i of
 // both is the same row and column). z's gate half, its up half and a = silu(g) u
